@@ -1,0 +1,35 @@
+"""Orbax checkpoints of params, readable by ``gm.ckpts.load_params``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gemmalab import storage
+
+
+def _absolute(path: str) -> str:
+    return path if storage.is_gcs(path) else os.path.abspath(path)
+
+
+def save_params(params: Any, path: str) -> str:
+    """Write ``params`` to ``path`` (replacing an earlier save) and wait until it is complete.
+
+    Every JAX process must call this (Orbax coordinates multi-host writes). Waiting matters:
+    an asynchronous save left running when the process exits is unloadable.
+    """
+    import orbax.checkpoint as ocp
+
+    path = _absolute(path)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, params, force=True)
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    return path
+
+
+def load_params(path: str, *, text_only: bool = False) -> Any:
+    """Read params written by ``save_params`` or published by Google (``gm.ckpts``)."""
+    from gemma import gm
+
+    return gm.ckpts.load_params(_absolute(path), text_only=text_only)

@@ -1,0 +1,164 @@
+"""The training configuration: one frozen dataclass, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from gemmalab.errors import ConfigError, require
+
+PRESET_NAMES = ("gemma3-tiny", "gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
+TOKENIZER_NAMES = ("local", "gemma3")
+DTYPES = ("float32", "bfloat16")
+MIN_MAXLEN = 8
+
+
+def default_cache_dir() -> str:
+    """Where generated corpora, tokenizers and token caches live (``$GEMMALAB_CACHE_DIR``)."""
+    return os.environ.get("GEMMALAB_CACHE_DIR", str(Path("~/.cache/gemmalab").expanduser()))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a training run depends on. Field names match the notebook's parameters."""
+
+    # Model and weights.
+    model: str = "gemma3-tiny"
+    checkpoint: str = ""  # CheckpointPath name, local/gs:// Orbax dir, or "" for random init.
+    tokenizer: str = "local"  # "local", "gemma3", or a SentencePiece .model path.
+    tokenizer_vocab_size: int = 4096  # Only for tokenizer="local".
+
+    # Data.
+    data_path: str = ""  # "" = the embedded generated corpus.
+    embedded_stories: int = 30_000  # Size of the embedded corpus.
+    datacount: int | None = None  # Cap on stories read (None = all).
+    eval_fraction: float = 0.02
+    max_eval_stories: int = 1_000
+    maxlen: int = 256
+    packing: bool = True
+    tokenize_workers: int = 0  # 0 = one per CPU core.
+
+    # Optimisation.
+    batch_size: int = 64  # Global batch (rows) across all processes.
+    num_epochs: int = 1
+    max_steps: int | None = None  # Caps the step count derived from num_epochs.
+    learning_rate: float | None = None  # None = the preset's default.
+    warmup_ratio: float = 0.05
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    max_grad_norm: float = 1.0
+    param_dtype: str = "float32"  # Master weights and optimizer state.
+    compute_dtype: str = "auto"  # "auto": bfloat16 on TPU/GPU, float32 on CPU.
+
+    # Bookkeeping.
+    eval_every: int = 100  # 0 = evaluate only at the start and end.
+    log_every: int = 10
+    seed: int = 0
+    output_dir: str = "runs/latest"
+    cache_dir: str = ""  # "" = default_cache_dir().
+
+    def __post_init__(self) -> None:
+        require(
+            self.model in PRESET_NAMES,
+            "model",
+            f"unknown model {self.model!r}",
+            f"use one of {', '.join(PRESET_NAMES)}",
+        )
+        require(
+            self.maxlen >= MIN_MAXLEN,
+            "maxlen",
+            f"{self.maxlen} is too short",
+            f"use maxlen >= {MIN_MAXLEN} (256 is the usual value)",
+        )
+        require(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1", "use a positive batch")
+        if self.datacount is not None:
+            require(
+                self.datacount > 0,
+                "datacount",
+                f"{self.datacount} stories requested",
+                "use a positive number, or None to read every story",
+            )
+        require(
+            0.0 < self.eval_fraction < 1.0,
+            "eval_fraction",
+            f"{self.eval_fraction} is outside (0, 1)",
+            "hold out a fraction such as 0.02",
+        )
+        require(self.num_epochs >= 1, "num_epochs", f"{self.num_epochs} < 1", "use num_epochs >= 1")
+        if self.max_steps is not None:
+            require(
+                self.max_steps >= 1,
+                "max_steps",
+                f"{self.max_steps} < 1",
+                "use a positive step count, or None to train num_epochs",
+            )
+        if self.learning_rate is not None:
+            require(
+                self.learning_rate > 0,
+                "learning_rate",
+                f"{self.learning_rate} is not positive",
+                "use e.g. 2e-5 to fine-tune, or None for the preset default",
+            )
+        require(
+            0.0 <= self.warmup_ratio < 1.0,
+            "warmup_ratio",
+            f"{self.warmup_ratio} is outside [0, 1)",
+            "use e.g. 0.05",
+        )
+        require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "outside [0, 1]", "use e.g. 0.1")
+        require(
+            self.max_grad_norm > 0,
+            "max_grad_norm",
+            f"{self.max_grad_norm} is not positive",
+            "use e.g. 1.0",
+        )
+        require(
+            self.param_dtype in DTYPES,
+            "param_dtype",
+            f"unknown dtype {self.param_dtype!r}",
+            f"use one of {DTYPES}",
+        )
+        require(
+            self.compute_dtype in (*DTYPES, "auto"),
+            "compute_dtype",
+            f"unknown dtype {self.compute_dtype!r}",
+            "use auto, float32 or bfloat16",
+        )
+        require(self.eval_every >= 0, "eval_every", "is negative", "use 0 (end only) or a step count")
+        require(self.log_every >= 1, "log_every", "is below 1", "use e.g. 10")
+        require(
+            self.tokenizer_vocab_size >= 512,
+            "tokenizer_vocab_size",
+            f"{self.tokenizer_vocab_size} is too small (256 ids are byte fallbacks)",
+            "use at least 512 (4096 suits the embedded corpus)",
+        )
+        require(self.embedded_stories >= 10, "embedded_stories", "is below 10", "use e.g. 30000")
+        require(self.tokenize_workers >= 0, "tokenize_workers", "is negative", "use 0 for all cores")
+        require(
+            self.max_eval_stories >= 1,
+            "max_eval_stories",
+            "is below 1",
+            "use e.g. 1000",
+        )
+        require(bool(self.output_dir), "output_dir", "is empty", "name a directory for the run")
+        require(bool(self.tokenizer), "tokenizer", "is empty", "use 'local', 'gemma3' or a path")
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir or default_cache_dir()).expanduser()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """Build from notebook parameters, rejecting unknown names with a one-line error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name in values:
+            if name not in known:
+                raise ConfigError(name, "is not a training parameter", f"use one of {sorted(known)}")
+        return cls(**values)

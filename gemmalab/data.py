@@ -1,0 +1,440 @@
+"""Stories in, training rows out.
+
+TinyStories format (UTF-8, stories separated by ``<|endoftext|>``) is streamed, split into a
+deterministic held-out eval set and per-process train shards, tokenized once as BOS + ids + EOS
+in worker processes and cached on disk. Rows are built by a grain pipeline: packed (several
+stories per row, segment ids and per-story positions) or one story per row, padded. Every row
+carries a loss mask (``segment_ids > 0``): padding is never a target.
+
+A story longer than ``maxlen`` is never truncated: it is cut into consecutive windows of
+``maxlen`` next-token pairs, so every token of the corpus is a target exactly once per epoch.
+
+A file without any ``<|endoftext|>`` is rejected (it is almost always the wrong file or format);
+a single document is written as ``text<|endoftext|>``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import collections
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gemmalab import storage
+from gemmalab.errors import ConfigError
+from gemmalab.tokenizer import TokenizerInfo, encode_stories, init_encoder
+
+SEPARATOR = "<|endoftext|>"
+READ_CHUNK_BYTES = 8 << 20
+SEPARATOR_SCAN_BYTES = 64 << 20
+CACHE_FORMAT_VERSION = 1
+STORIES_PER_TASK = 256
+Batch = dict[str, np.ndarray]  # tokens, targets, segment_ids, positions: int32 [rows, maxlen]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the corpus.
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A resolved data source: where it is and what identifies its content."""
+
+    path: str
+    fingerprint: str
+    embedded: bool
+
+
+def resolve_corpus(data_path: str, *, cache_dir: Path, embedded_stories: int, seed: int) -> Corpus:
+    """Validate ``data_path`` (or generate the embedded corpus) before any expensive work."""
+    if not data_path:
+        from gemmalab import corpus
+
+        path = corpus.embedded_corpus_path(cache_dir / "corpus", embedded_stories, seed=seed)
+        return Corpus(str(path), _fingerprint(str(path)), embedded=True)
+    validate_data_file(data_path)
+    return Corpus(data_path, _fingerprint(data_path), embedded=False)
+
+
+def validate_data_file(path: str) -> None:
+    """Missing, empty, non-UTF-8 or separator-less files fail here with a one-line fix."""
+    if storage.is_gcs(path):
+        storage.require_gcs_credentials("data_path", path)
+    if not storage.exists(path):
+        raise ConfigError("data_path", f"{path} does not exist",
+                          "point data_path at a TinyStories-format text file, or '' for the "
+                          "embedded corpus")
+    if not storage.is_gcs(path) and not os.path.isfile(path):
+        raise ConfigError("data_path", f"{path} is not a file", "name the text file itself")
+    if storage.file_size(path) == 0:
+        raise ConfigError("data_path", f"{path} is empty",
+                          "write stories separated by <|endoftext|> into it")
+    with storage.open_binary(path) as f:
+        head = f.read(SEPARATOR_SCAN_BYTES)
+    try:
+        text = codecs.getincrementaldecoder("utf-8")("strict").decode(head)
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e.start) from None
+    if SEPARATOR not in text:
+        scope = "" if len(head) < SEPARATOR_SCAN_BYTES else " in its first 64 MB"
+        raise ConfigError("data_path", f"{path} has no {SEPARATOR} separator{scope}",
+                          f"end every story (even a single document) with {SEPARATOR}")
+    if not text.replace(SEPARATOR, "").strip():
+        raise ConfigError("data_path", f"{path} holds only separators and whitespace",
+                          "add story text between the separators")
+
+
+def _not_utf8(path: str, offset: int) -> ConfigError:
+    return ConfigError("data_path", f"{path} is not UTF-8 text (invalid byte at offset {offset})",
+                       "convert it, e.g. `iconv -f LATIN1 -t UTF-8 in.txt > out.txt`")
+
+
+def iter_stories(path: str) -> Iterator[str]:
+    """Stream stories (stripped, non-empty) without ever holding the file in memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    pending, offset = "", 0
+    with storage.open_binary(path) as f:
+        while chunk := f.read(READ_CHUNK_BYTES):
+            try:
+                pending += decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, offset + e.start) from None
+            offset += len(chunk)
+            *complete, pending = pending.split(SEPARATOR)
+            yield from _non_empty(complete)
+        try:
+            pending += decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, offset + e.start) from None
+    yield from _non_empty([pending])
+
+
+def _non_empty(pieces: list[str]) -> Iterator[str]:
+    for piece in pieces:
+        story = piece.strip().lstrip("\ufeff").strip()
+        if story:
+            yield story
+
+
+def _fingerprint(path: str) -> str:
+    """Content identity for cache keys: size, mtime and the first and last 4 MB."""
+    digest = hashlib.sha256()
+    size = storage.file_size(path)
+    digest.update(f"{size}".encode())
+    if not storage.is_gcs(path):
+        digest.update(str(os.stat(path).st_mtime_ns).encode())
+    with storage.open_binary(path) as f:
+        digest.update(f.read(4 << 20))
+        if size > 8 << 20:
+            f.seek(size - (4 << 20))
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRule:
+    """Deterministic assignment of story ``i`` to eval, or to one process's train shard."""
+
+    eval_fraction: float
+    max_eval_stories: int
+    process_index: int = 0
+    process_count: int = 1
+
+    @property
+    def eval_period(self) -> int:
+        return max(2, round(1 / self.eval_fraction))
+
+    def label_stories(self, stories: Iterator[str], datacount: int | None
+                      ) -> Iterator[tuple[str, str]]:
+        """Yield ("eval" | "train", story) for the stories this process needs."""
+        n_eval = n_train = 0
+        for i, story in enumerate(stories):
+            if datacount is not None and i >= datacount:
+                return
+            if i % self.eval_period == self.eval_period - 1 and n_eval < self.max_eval_stories:
+                n_eval += 1
+                yield "eval", story
+            else:
+                if n_train % self.process_count == self.process_index:
+                    yield "train", story
+                n_train += 1
+
+
+def training_stories(path: str, rule: SplitRule, datacount: int | None) -> Iterator[str]:
+    """All train-split stories (every shard): what a local tokenizer is trained on."""
+    whole = dataclasses.replace(rule, process_index=0, process_count=1)
+    return (s for label, s in whole.label_stories(iter_stories(path), datacount) if label == "train")
+
+
+# ---------------------------------------------------------------------------------------------
+# The token cache.
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedSplit:
+    """Documents as one flat int32 token array plus offsets (memory-mapped from the cache)."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray  # int64 [num_docs + 1]
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def doc(self, i: int) -> np.ndarray:
+        return np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]])
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenCache:
+    train: TokenizedSplit
+    eval: TokenizedSplit
+    meta: dict[str, Any]
+
+
+def load_or_build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule: SplitRule,
+                              datacount: int | None, cache_dir: Path, workers: int) -> TokenCache:
+    """Tokenize this process's stories once; later runs and epochs reuse the cache."""
+    key_fields = {
+        "version": CACHE_FORMAT_VERSION, "corpus": corpus_.fingerprint,
+        "tokenizer": tokenizer.fingerprint, "datacount": datacount,
+        "eval_fraction": rule.eval_fraction, "max_eval_stories": rule.max_eval_stories,
+        "process": [rule.process_index, rule.process_count],
+    }
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:20]
+    directory = cache_dir / "tokens" / key
+    if not (directory / "meta.json").exists():
+        _build_token_cache(corpus_, tokenizer, rule=rule, datacount=datacount,
+                           directory=directory, workers=workers, key_fields=key_fields)
+    meta = json.loads((directory / "meta.json").read_text())
+    if datacount is not None and meta["stories_read"] < datacount:
+        warnings.warn(f"datacount={datacount} but {corpus_.path} has only "
+                      f"{meta['stories_read']} stories: using all of them", stacklevel=2)
+    return TokenCache(train=_open_split(directory, "train"), eval=_open_split(directory, "eval"),
+                      meta=meta)
+
+
+def _open_split(directory: Path, name: str) -> TokenizedSplit:
+    offsets = np.load(directory / f"{name}_offsets.npy")
+    path = directory / f"{name}_tokens.bin"
+    tokens = (np.memmap(path, dtype=np.int32, mode="r") if offsets[-1] > 0
+              else np.zeros(0, np.int32))
+    return TokenizedSplit(tokens=tokens, offsets=offsets)
+
+
+class _SplitWriter:
+    def __init__(self, directory: Path, name: str):
+        self.directory, self.name = directory, name
+        self.file = open(directory / f"{name}_tokens.bin", "wb")  # noqa: SIM115 - closed in close()
+        self.offsets = [0]
+
+    def add(self, ids: np.ndarray) -> None:
+        ids.tofile(self.file)
+        self.offsets.append(self.offsets[-1] + len(ids))
+
+    def close(self) -> dict[str, int]:
+        self.file.close()
+        np.save(self.directory / f"{self.name}_offsets.npy", np.asarray(self.offsets, np.int64))
+        return {f"{self.name}_docs": len(self.offsets) - 1, f"{self.name}_tokens": self.offsets[-1]}
+
+
+def _build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule: SplitRule,
+                       datacount: int | None, directory: Path, workers: int,
+                       key_fields: dict[str, Any]) -> None:
+    tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    writers = {"train": _SplitWriter(tmp, "train"), "eval": _SplitWriter(tmp, "eval")}
+    counter = _CountingIterator(iter_stories(corpus_.path))
+    labelled = rule.label_stories(counter, datacount)
+    for label, ids in _tokenize_in_order(labelled, tokenizer.model_proto, workers):
+        writers[label].add(ids)
+    meta = {**writers["train"].close(), **writers["eval"].close(), "stories_read": counter.count,
+            "corpus_path": corpus_.path, "tokenizer": tokenizer.name, "key": key_fields}
+    if meta["train_docs"] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError("datacount" if datacount else "data_path",
+                          f"no training stories left for process {rule.process_index} after "
+                          f"holding out eval stories ({counter.count} read)",
+                          "use more stories (datacount/data) or fewer processes")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+
+
+class _CountingIterator:
+    def __init__(self, it: Iterator[str]):
+        self.it, self.count = it, 0
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> str:
+        item = next(self.it)
+        self.count += 1
+        return item
+
+
+def _tokenize_in_order(labelled: Iterator[tuple[str, str]], model_proto: bytes, workers: int
+                       ) -> Iterator[tuple[str, np.ndarray]]:
+    """Encode in worker processes with bounded memory, yielding results in input order."""
+    tasks = _batched(labelled, STORIES_PER_TASK)
+    workers = workers or os.cpu_count() or 1
+    if workers <= 1:
+        init_encoder(model_proto)
+        for labels, stories in tasks:
+            yield from zip(labels, encode_stories(stories), strict=True)
+        return
+    # spawn, not fork: the parent may hold JAX's threads.
+    with multiprocessing.get_context("spawn").Pool(workers, init_encoder, (model_proto,)) as pool:
+        in_flight: collections.deque = collections.deque()
+        for labels, stories in tasks:
+            in_flight.append((labels, pool.apply_async(encode_stories, (stories,))))
+            if len(in_flight) >= 4 * workers:  # backpressure: never read ahead of the workers
+                done_labels, result = in_flight.popleft()
+                yield from zip(done_labels, result.get(), strict=True)
+        while in_flight:
+            done_labels, result = in_flight.popleft()
+            yield from zip(done_labels, result.get(), strict=True)
+
+
+def _batched(labelled: Iterator[tuple[str, str]], size: int
+             ) -> Iterator[tuple[list[str], list[str]]]:
+    labels: list[str] = []
+    stories: list[str] = []
+    for label, story in labelled:
+        labels.append(label)
+        stories.append(story)
+        if len(stories) == size:
+            yield labels, stories
+            labels, stories = [], []
+    if stories:
+        yield labels, stories
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows and batches.
+
+
+class WindowSource:
+    """Random access to next-token windows: document ``d`` of length ``n`` gives
+    ``ceil((n - 1) / maxlen)`` windows of at most ``maxlen`` (input, target) pairs."""
+
+    def __init__(self, split: TokenizedSplit, maxlen: int):
+        self.split, self.maxlen = split, maxlen
+        pairs = np.maximum(split.lengths - 1, 0)
+        windows = -(-pairs // maxlen)
+        self.doc = np.repeat(np.arange(split.num_docs), windows)
+        first_window = np.repeat(np.cumsum(windows) - windows, windows)
+        self.start = split.offsets[self.doc] + (np.arange(len(self.doc)) - first_window) * maxlen
+        self.end = np.minimum(self.start + maxlen + 1, split.offsets[self.doc + 1])
+        self.num_split_docs = int(np.sum(windows > 1))
+
+    def __len__(self) -> int:
+        return len(self.doc)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        seq = np.asarray(self.split.tokens[self.start[index]:self.end[index]], dtype=np.int32)
+        return {"inputs": seq[:-1], "targets": seq[1:]}
+
+    @property
+    def num_targets(self) -> int:
+        return int(np.sum(self.end - self.start - 1))
+
+
+def _pad_window(window: dict[str, np.ndarray], maxlen: int) -> Batch:
+    n = len(window["inputs"])
+    row = {name: np.zeros(maxlen, np.int32) for name in ("tokens", "targets", "segment_ids")}
+    row["tokens"][:n] = window["inputs"]
+    row["targets"][:n] = window["targets"]
+    row["segment_ids"][:n] = 1
+    row["positions"] = np.arange(maxlen, dtype=np.int32)
+    return row
+
+
+def _from_packed(packed: dict[str, np.ndarray]) -> Batch:
+    return {
+        "tokens": packed["inputs"].astype(np.int32),
+        "targets": packed["targets"].astype(np.int32),
+        "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
+        "positions": packed["inputs_positions"].astype(np.int32),
+    }
+
+
+def _rows(windows: Any, *, maxlen: int, packing: bool, num_bins: int, seed: int,
+          shuffle_bins: bool) -> Any:
+    """A grain IterDataset of rows from a grain dataset of windows."""
+    import grain
+
+    if packing:
+        packed = grain.experimental.FirstFitPackIterDataset(
+            windows, length_struct={"inputs": maxlen, "targets": maxlen},
+            num_packing_bins=num_bins, seed=seed, shuffle_bins=shuffle_bins)
+        return packed.map(_from_packed)
+    return windows.map(lambda w: _pad_window(w, maxlen))
+
+
+def train_batches(split: TokenizedSplit, *, maxlen: int, rows_per_process: int, packing: bool,
+                  seed: int, prefetch: int = 4) -> Any:
+    """An endless, per-epoch reshuffled, prefetching iterator of this process's batches.
+
+    Returns a grain ``DatasetIterator``: its ``get_state``/``set_state`` make it checkpointable.
+    """
+    import grain
+
+    windows = grain.MapDataset.source(WindowSource(split, maxlen)).shuffle(seed=seed).repeat(None)
+    rows = _rows(windows.to_iter_dataset(), maxlen=maxlen, packing=packing,
+                 num_bins=max(rows_per_process, 16), seed=seed, shuffle_bins=True)
+    batched = rows.batch(rows_per_process, drop_remainder=True)
+    return iter(grain.experimental.ThreadPrefetchIterDataset(batched, prefetch_buffer_size=prefetch))
+
+
+def eval_batches(split: TokenizedSplit, *, maxlen: int, batch_size: int, packing: bool,
+                 process_index: int = 0, process_count: int = 1) -> list[Batch]:
+    """The whole eval split as fixed batches (same on every run); this process's rows of each.
+
+    Every process builds the same rows, padded with empty rows (no loss) to whole global batches,
+    so all processes run the same number of eval steps.
+    """
+    import grain
+
+    windows = grain.MapDataset.source(WindowSource(split, maxlen)).to_iter_dataset()
+    rows = list(_rows(windows, maxlen=maxlen, packing=packing, num_bins=64, seed=0,
+                      shuffle_bins=False))
+    if not rows:
+        return []
+    stacked = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    total = -(-len(rows) // batch_size) * batch_size
+    padded = {k: np.pad(v, ((0, total - len(v)), (0, 0))) for k, v in stacked.items()}
+    per_process = batch_size // process_count
+    batches = []
+    for start in range(0, total, batch_size):
+        lo = start + process_index * per_process
+        batches.append({k: v[lo:lo + per_process] for k, v in padded.items()})
+    return batches
+
+
+def steps_per_epoch(num_targets_global: int, num_windows_global: int, *, batch_size: int,
+                    maxlen: int, packing: bool) -> int:
+    """Steps that consume one epoch: in target tokens when packing, in rows when padding.
+
+    With packing the count assumes full rows; packing leaves a little padding, so the last few
+    percent of an epoch's stories start the next epoch's stream instead (nothing is dropped).
+    """
+    if packing:
+        return max(1, -(-num_targets_global // (batch_size * maxlen)))
+    return max(1, num_windows_global // batch_size)

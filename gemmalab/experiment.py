@@ -1,0 +1,323 @@
+"""A fine-tuning run from config to saved params: what ``notebooks/train.ipynb`` drives.
+
+``Experiment.prepare`` does every check that can fail on bad input before anything expensive
+(tokenization, weight loading, compilation); ``train`` runs the loop; ``save`` writes the params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import resource
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemmalab import checkpoints, data, mesh, models, sampling, storage, training
+from gemmalab.config import TrainConfig
+from gemmalab.errors import ConfigError
+
+FINAL_LOSS_WINDOW = 10
+
+
+def resolve_compute_dtype(name: str) -> Any:
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() in ("tpu", "gpu") else jnp.float32
+    return jnp.dtype(name)
+
+
+class MetricsSink:
+    """``metrics.jsonl`` and ``eval.jsonl`` in ``output_dir``; only process 0 writes."""
+
+    def __init__(self, output_dir: str, enabled: bool):
+        self.enabled = enabled
+        self.output_dir = output_dir
+        self._files: dict[str, Any] = {}
+        if enabled:
+            from etils import epath
+
+            epath.Path(output_dir).mkdir(parents=True, exist_ok=True)
+            for name in ("metrics", "eval"):
+                self._files[name] = (epath.Path(output_dir) / f"{name}.jsonl").open("w")
+
+    def write(self, name: str, record: dict[str, Any]) -> None:
+        if self.enabled:
+            self._files[name].write(json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        for f in self._files.values():
+            f.flush()
+
+    def write_json(self, filename: str, payload: dict[str, Any]) -> None:
+        if self.enabled:
+            from etils import epath
+
+            (epath.Path(self.output_dir) / filename).write_text(json.dumps(payload, indent=1))
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+@dataclasses.dataclass
+class Experiment:
+    config: TrainConfig
+    mesh: Any
+    tokenizer: Any
+    tokenizer_info: Any
+    model_config: Any
+    model: Any
+    state: training.TrainState
+    optimizer: Any
+    schedule: Any
+    compute_dtype: Any
+    train_iterator: Any
+    eval_batches: list[dict[str, np.ndarray]]
+    total_steps: int
+    steps_per_epoch: int
+    data_stats: dict[str, Any]
+    checkpoint_name: str
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    eval_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    # -----------------------------------------------------------------------------------------
+    @classmethod
+    def prepare(cls, config: TrainConfig) -> Experiment:
+        """Validate everything, build data, tokenizer, model and state; compile nothing yet."""
+        device_mesh = mesh.make_mesh()
+        mesh.check_batch_size(config.batch_size, device_mesh)
+        if storage.is_gcs(config.output_dir):
+            storage.require_gcs_credentials("output_dir", config.output_dir)
+        checkpoint = models.resolve_checkpoint(config.checkpoint, config.model)
+        cache_dir = config.resolved_cache_dir
+        corpus = data.resolve_corpus(config.data_path, cache_dir=cache_dir,
+                                     embedded_stories=config.embedded_stories, seed=config.seed)
+        rule = data.SplitRule(config.eval_fraction, config.max_eval_stories,
+                              jax.process_index(), jax.process_count())
+        tokenizer, info = _load_tokenizer_everywhere(config, corpus, rule)
+        model_config = models.model_config(config.model, info.vocab_size)
+        if info.vocab_size > model_config.num_embed:
+            raise ConfigError("tokenizer", f"its vocabulary ({info.vocab_size}) is larger than "
+                              f"{config.model}'s embedding ({model_config.num_embed})",
+                              "use the model's own tokenizer ('gemma3') or model='gemma3-tiny'")
+
+        cache = data.load_or_build_token_cache(
+            corpus, info, rule=rule, datacount=config.datacount, cache_dir=cache_dir,
+            workers=config.tokenize_workers)
+        windows = data.WindowSource(cache.train, config.maxlen)
+        local = np.asarray([windows.num_targets, len(windows)], np.int64)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 2).sum(0)
+        per_epoch = data.steps_per_epoch(int(local[0]), int(local[1]),
+                                         batch_size=config.batch_size, maxlen=config.maxlen,
+                                         packing=config.packing)
+        total_steps = per_epoch * config.num_epochs
+        if config.max_steps is not None:
+            total_steps = min(total_steps, config.max_steps)
+
+        rows_per_process = config.batch_size // jax.process_count()
+        iterator = data.train_batches(cache.train, maxlen=config.maxlen,
+                                      rows_per_process=rows_per_process, packing=config.packing,
+                                      seed=config.seed)
+        evals = data.eval_batches(cache.eval, maxlen=config.maxlen, batch_size=config.batch_size,
+                                  packing=config.packing, process_index=jax.process_index(),
+                                  process_count=jax.process_count())
+        stats = {**cache.meta, "train_windows": len(windows),
+                 "train_target_tokens": windows.num_targets,
+                 "stories_split_over_maxlen": windows.num_split_docs,
+                 "corpus_path": corpus.path, "embedded_corpus": corpus.embedded}
+        stats.pop("key", None)
+
+        param_dtype = jnp.dtype(config.param_dtype)
+        model = models.build_model(model_config, param_dtype=param_dtype)
+        params = _initial_params(model, checkpoint, config, param_dtype)
+        peak_lr = config.learning_rate or models.PRESETS[config.model].default_learning_rate
+        schedule = training.learning_rate_schedule(peak_lr, total_steps,
+                                                   warmup_ratio=config.warmup_ratio,
+                                                   min_lr_ratio=config.min_lr_ratio)
+        optimizer = training.make_optimizer(schedule, weight_decay=config.weight_decay,
+                                            b1=config.adam_b1, b2=config.adam_b2,
+                                            max_grad_norm=config.max_grad_norm)
+        state = training.init_state(params, optimizer, device_mesh)
+        return cls(config=config, mesh=device_mesh, tokenizer=tokenizer, tokenizer_info=info,
+                   model_config=model_config, model=model, state=state, optimizer=optimizer,
+                   schedule=schedule, compute_dtype=resolve_compute_dtype(config.compute_dtype),
+                   train_iterator=iterator, eval_batches=evals, total_steps=total_steps,
+                   steps_per_epoch=per_epoch, data_stats=stats, checkpoint_name=checkpoint.name)
+
+    # -----------------------------------------------------------------------------------------
+    @property
+    def is_main_process(self) -> bool:
+        return jax.process_index() == 0
+
+    @property
+    def num_params(self) -> int:
+        return models.parameter_count(self.state.params)
+
+    def sample(self, prompts: str | list[str], **kwargs: Any) -> str | list[str]:
+        return sampling.sample(self.model, self.state.params, self.tokenizer, prompts,
+                               compute_dtype=self.compute_dtype, **kwargs)
+
+    def evaluate(self) -> tuple[float, float]:
+        """Eval loss and perplexity over the whole held-out split."""
+        if not hasattr(self, "_eval_step"):
+            self._eval_step = training.make_eval_step(self.model, self.compute_dtype, self.mesh)
+        return training.evaluate(self._eval_step, self.state.params, self.eval_batches, self.mesh)
+
+    def _record_eval(self, step: int, sink: MetricsSink) -> dict[str, Any]:
+        loss, perplexity = self.evaluate()
+        record = {"step": step, "eval_loss": loss, "eval_perplexity": perplexity}
+        self.eval_history.append(record)
+        sink.write("eval", record)
+        return record
+
+    def train(self, *, progress: bool = True) -> dict[str, Any]:
+        """Run ``total_steps`` steps with periodic eval; write metrics and ``summary.json``."""
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        sink = MetricsSink(cfg.output_dir, enabled=self.is_main_process)
+        train_step = training.make_train_step(self.model, self.optimizer, self.schedule,
+                                              self.compute_dtype, self.mesh)
+        initial_eval = self._record_eval(0, sink)
+        tokens_per_step = cfg.batch_size * cfg.maxlen
+        bar = tqdm(total=self.total_steps, desc="train", unit="step",
+                   disable=not (progress and self.is_main_process))
+        pending: tuple | None = None
+        started = last_done = time.perf_counter()
+
+        def finish(step: int, metrics: Any, data_wait: float) -> None:
+            nonlocal last_done
+            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            now = time.perf_counter()
+            step_time, last_done = now - last_done, now
+            record = {"step": step, "epoch": step / self.steps_per_epoch, **values,
+                      "tokens": tokens_per_step, "step_time_s": step_time,
+                      "data_wait_s": data_wait, "tokens_per_s": tokens_per_step / step_time,
+                      "useful_tokens_per_s": values["useful_tokens"] / step_time}
+            if not math.isfinite(values["loss"]):
+                raise FloatingPointError(f"loss became {values['loss']} at step {step}: lower "
+                                         "learning_rate or check the data")
+            self.history.append(record)
+            sink.write("metrics", record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{values['loss']:.3f}", refresh=False)
+            if step % cfg.log_every == 0:
+                sink.flush()
+
+        for step in range(1, self.total_steps + 1):
+            wait_started = time.perf_counter()
+            batch = mesh.global_batch(next(self.train_iterator), self.mesh)
+            data_wait = time.perf_counter() - wait_started
+            self.state, metrics = train_step(self.state, batch)
+            if pending is not None:
+                finish(*pending)  # read step N-1 while step N runs: no idle device
+            pending = (step, metrics, data_wait)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
+                finish(*pending)
+                pending = None
+                record = self._record_eval(step, sink)
+                bar.set_postfix(eval_loss=f"{record['eval_loss']:.3f}", refresh=False)
+                last_done = time.perf_counter()  # eval time is not a train step's time
+        if pending is not None:
+            finish(*pending)
+        train_seconds = time.perf_counter() - started
+        bar.close()
+        final_eval = self._record_eval(self.total_steps, sink)
+        self.summary = self._summary(initial_eval, final_eval, train_seconds)
+        sink.write_json("summary.json", self.summary)
+        sink.close()
+        return self.summary
+
+    def _summary(self, initial_eval: dict, final_eval: dict, train_seconds: float
+                 ) -> dict[str, Any]:
+        steady = self.history[1:] or self.history  # step 1 includes compilation
+        steady_time = sum(r["step_time_s"] for r in steady)
+        useful = sum(r["useful_tokens"] for r in steady)
+        tokens = sum(r["tokens"] for r in steady)
+        last = self.history[-FINAL_LOSS_WINDOW:]
+        return {
+            "steps": len(self.history),
+            "steps_per_epoch": self.steps_per_epoch,
+            "initial_train_loss": self.history[0]["loss"],
+            "final_train_loss": float(np.mean([r["loss"] for r in last])),
+            "initial_eval_loss": initial_eval["eval_loss"],
+            "final_eval_loss": final_eval["eval_loss"],
+            "initial_eval_perplexity": initial_eval["eval_perplexity"],
+            "final_eval_perplexity": final_eval["eval_perplexity"],
+            "useful_tokens_per_s": useful / steady_time,
+            "tokens_per_s": tokens / steady_time,
+            "useful_token_share": useful / tokens,
+            "mean_step_time_s": steady_time / len(steady),
+            "data_wait_share": sum(r["data_wait_s"] for r in steady) / steady_time,
+            "first_step_seconds": self.history[0]["step_time_s"],
+            "train_seconds": train_seconds,
+            "num_params": self.num_params,
+            "peak_host_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+            "processes": jax.process_count(),
+            "checkpoint": self.checkpoint_name,
+            "tokenizer_vocab_size": self.tokenizer_info.vocab_size,
+            "data": self.data_stats,
+            "params": self.config.to_dict(),
+            "model_config": models.config_to_dict(self.model_config),
+        }
+
+    def save(self) -> str:
+        """Write the final (master-dtype) params to ``output_dir/params``; every process calls."""
+        return checkpoints.save_params(self.state.params, f"{self.config.output_dir}/params")
+
+
+def _load_tokenizer_everywhere(config: TrainConfig, corpus: data.Corpus, rule: data.SplitRule
+                               ) -> tuple[Any, Any]:
+    """Load (or train, on process 0 only, then share) the tokenizer."""
+    from gemmalab import tokenizer as tokenizers
+
+    def load(stories_allowed: bool):
+        stories = (data.training_stories(corpus.path, rule, config.datacount)
+                   if stories_allowed else None)
+        return tokenizers.load_tokenizer(
+            config.tokenizer, cache_dir=config.resolved_cache_dir, training_stories=stories,
+            vocab_size=config.tokenizer_vocab_size, corpus_fingerprint=corpus.fingerprint)
+
+    if config.tokenizer != "local" or jax.process_count() == 1:
+        return load(True)
+    # Several processes: one trains, the others receive the identical model over JAX's runtime.
+    from jax.experimental import multihost_utils
+
+    proto = load(True)[1].model_proto if jax.process_index() == 0 else b""
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(len(proto))))
+    buffer = np.frombuffer(proto.ljust(size, b"\0"), np.uint8)
+    proto = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer)))
+    path = (config.resolved_cache_dir / "tokenizers" /
+            f"local-{corpus.fingerprint}-v{config.tokenizer_vocab_size}.model")
+    if jax.process_index() != 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(proto)
+    multihost_utils.sync_global_devices("gemmalab-tokenizer")
+    return load(False)
+
+
+def _initial_params(model: Any, checkpoint: models.ResolvedCheckpoint, config: TrainConfig,
+                    param_dtype: Any) -> Any:
+    dummy = jnp.zeros((1, config.maxlen), jnp.int32)
+    expected = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), dummy))["params"]
+    if not checkpoint.path:
+        params = jax.jit(lambda key: model.init(key, dummy))(jax.random.key(config.seed))["params"]
+        return params
+    loaded = checkpoints.load_params(checkpoint.path,
+                                     text_only=models.PRESETS[config.model].multimodal)
+    if jax.tree.structure(loaded) != jax.tree.structure(expected) or any(
+            a.shape != b.shape for a, b in zip(jax.tree.leaves(loaded),
+                                               jax.tree.leaves(expected), strict=True)):
+        raise ConfigError("checkpoint", f"{checkpoint.name} does not match {config.model}'s "
+                          "parameter shapes", "pick the checkpoint made for this model")
+    return jax.tree.map(lambda p: jnp.asarray(p, param_dtype), loaded)

@@ -1,0 +1,152 @@
+"""Gemma 3 presets: gemma's own model classes, plus a tiny one sized for CPUs.
+
+``gemma`` is imported inside functions (it pulls tensorflow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gemmalab import storage
+from gemmalab.config import PRESET_NAMES
+from gemmalab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gemma import gm
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    gemma_class: str  # Attribute of gm.nn; the tiny preset derives its config from it.
+    checkpoints: tuple[str, ...]  # gm.ckpts.CheckpointPath names with weights for it.
+    default_learning_rate: float
+    multimodal: bool = False
+
+
+PRESETS = {
+    p.name: p
+    for p in (
+        Preset("gemma3-tiny", "Gemma3_270M", (), 3e-3),
+        Preset("gemma3-270m", "Gemma3_270M", ("GEMMA3_270M_PT", "GEMMA3_270M_IT"), 2e-5),
+        Preset("gemma3-1b", "Gemma3_1B", ("GEMMA3_1B_PT", "GEMMA3_1B_IT"), 2e-5),
+        Preset("gemma3-4b", "Gemma3_4B", ("GEMMA3_4B_PT", "GEMMA3_4B_IT"), 2e-5, True),
+        Preset("gemma3-12b", "Gemma3_12B", ("GEMMA3_12B_PT", "GEMMA3_12B_IT"), 2e-5, True),
+        Preset("gemma3-27b", "Gemma3_27B", ("GEMMA3_27B_PT", "GEMMA3_27B_IT"), 2e-5, True),
+    )
+}
+assert tuple(PRESETS) == PRESET_NAMES
+
+# The tiny preset keeps Gemma 3's architecture — 5 sliding-window layers then 1 global layer,
+# QK-norm, GQA, post-norms, dual RoPE bases — at a size that learns in minutes on two cores.
+TINY_OVERRIDES = dict(
+    embed_dim=128,
+    hidden_dim=512,
+    num_heads=4,
+    head_dim=32,
+    num_kv_heads=2,
+    sliding_window_size=128,
+)
+TINY_NUM_LAYERS = 6
+
+
+def model_config(preset_name: str, vocab_size: int) -> gm.nn.config.TransformerConfig:
+    """The resolved gemma ``TransformerConfig`` (text-only) for a preset."""
+    from gemma import gm
+    from gemma.gm.nn import _config
+    from gemma.gm.nn._gemma import GEMMA3_ATTENTION_PATTERN
+
+    preset = PRESETS[preset_name]
+    base = getattr(gm.nn, preset.gemma_class).config
+    if preset_name == "gemma3-tiny":
+        return dataclasses.replace(
+            base, num_embed=vocab_size, **TINY_OVERRIDES,
+            attention_types=_config.make_attention_layers_types(
+                GEMMA3_ATTENTION_PATTERN, num_layers=TINY_NUM_LAYERS))
+    return dataclasses.replace(base, vision_encoder=None)
+
+
+def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any) -> gm.nn.Transformer:
+    """A gemma Transformer for ``config`` whose ``init`` creates ``param_dtype`` weights."""
+    from gemma import gm
+
+    return gm.nn.Transformer(config=config, dtype=param_dtype)
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """JSON-ready fields of a ``TransformerConfig`` (enums by name); see ``config_from_dict``."""
+    out = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, enum.Enum):
+            value = value.name
+        elif isinstance(value, tuple | list):
+            value = [v.name if isinstance(v, enum.Enum) else v for v in value]
+        elif value is not None and not isinstance(value, int | float | str | bool):
+            value = type(value).__name__  # e.g. a vision encoder; text runs have None here
+        out[field.name] = value
+    return out
+
+
+def config_from_dict(values: dict[str, Any]) -> gm.nn.config.TransformerConfig:
+    """Rebuild the exact ``TransformerConfig`` that ``config_to_dict`` wrote."""
+    from gemma.gm.nn import _config, _modules
+
+    values = dict(values)
+    values["attention_types"] = tuple(_modules.AttentionType[n] for n in values["attention_types"])
+    values["query_pre_attn_norm"] = _config.QueryPreAttentionNormalisation[
+        values["query_pre_attn_norm"]]
+    if values.get("vision_encoder") is not None:
+        raise ValueError("multimodal configs are not rebuilt from JSON; use the preset")
+    return _config.TransformerConfig(**values)
+
+
+def parameter_count(params: Any) -> int:
+    import jax
+
+    return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints to start from.
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedCheckpoint:
+    path: str  # "" = random init
+    name: str
+
+
+def resolve_checkpoint(spec: str, preset_name: str) -> ResolvedCheckpoint:
+    """``checkpoint``: a CheckpointPath name, a local or gs:// Orbax directory, or ''."""
+    if not spec:
+        return ResolvedCheckpoint("", "random init")
+    from gemma import gm
+
+    names = [m.name for m in gm.ckpts.CheckpointPath]
+    preset = PRESETS[preset_name]
+    if spec.upper() in names:
+        name = spec.upper()
+        if name not in preset.checkpoints:
+            raise ConfigError("checkpoint", f"{name} does not fit model {preset_name!r}",
+                              f"use one of {list(preset.checkpoints) or ['']} for this model, or "
+                              "change model")
+        path = gm.ckpts.CheckpointPath[name].value
+        storage.require_gcs_credentials("checkpoint", path,
+                                        fix=storage.GCS_FIX + "; or download it and give its path")
+        return ResolvedCheckpoint(path, name)
+    if storage.is_gcs(spec):
+        storage.require_gcs_credentials("checkpoint", spec)
+        return ResolvedCheckpoint(spec, spec)
+    if "/" in spec or Path(spec).exists():
+        if not Path(spec).is_dir():
+            raise ConfigError("checkpoint", f"no Orbax checkpoint directory at {spec}",
+                              "give the directory written by a run (output_dir/params) or "
+                              "a CheckpointPath name")
+        return ResolvedCheckpoint(str(Path(spec).resolve()), spec)
+    gemma3 = [n for n in names if n.startswith("GEMMA3_")]
+    raise ConfigError("checkpoint", f"unknown checkpoint {spec!r}",
+                      f"use a path, '' for random init, or one of {gemma3}")

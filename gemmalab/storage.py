@@ -1,0 +1,64 @@
+"""Local and ``gs://`` paths behind one interface (etils.epath), with early credential checks."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from gemmalab.errors import ConfigError
+
+GCS_FIX = ("run `gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, "
+           "or use Workload Identity on GKE (or mount the bucket with GCS FUSE and use its path)")
+
+
+def is_gcs(path: str | os.PathLike) -> bool:
+    return str(path).startswith("gs://")
+
+
+@functools.cache
+def _gcs_credentials_found() -> bool:
+    import google.auth
+    from google.auth import exceptions
+
+    try:
+        google.auth.default()
+    except exceptions.DefaultCredentialsError:
+        return False
+    return True
+
+
+def require_gcs_credentials(parameter: str, path: str, *, fix: str = GCS_FIX) -> None:
+    """Fail fast, naming ``parameter``, when a gs:// path cannot possibly be read."""
+    if not _gcs_credentials_found():
+        raise ConfigError(parameter, f"{path} is on Google Cloud Storage but no credentials "
+                          "were found", fix)
+
+
+def open_binary(path: str | os.PathLike):
+    """Open a local or gs:// file for streaming reads."""
+    if is_gcs(path):
+        from etils import epath
+
+        return epath.Path(path).open("rb")
+    return open(path, "rb")  # noqa: SIM115 - caller closes
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    with open_binary(path) as f:
+        return f.read()
+
+
+def file_size(path: str | os.PathLike) -> int:
+    if is_gcs(path):
+        from etils import epath
+
+        return epath.Path(path).stat().length
+    return os.path.getsize(path)
+
+
+def exists(path: str | os.PathLike) -> bool:
+    if is_gcs(path):
+        from etils import epath
+
+        return epath.Path(path).exists()
+    return os.path.exists(path)

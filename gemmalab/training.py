@@ -1,0 +1,125 @@
+"""The train state, the loss, the optimizer and the jit-compiled steps.
+
+One state pytree (``TrainState``) holds everything a resume needs besides the data iterator:
+step, fp32 master params and optimizer state. Compute runs in ``compute_dtype`` (params are
+cast inside the step, so gradients and updates stay in the master dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gemmalab.mesh import batch_sharding, replicated
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def learning_rate_schedule(peak: float, total_steps: int, *, warmup_ratio: float,
+                           min_lr_ratio: float) -> optax.Schedule:
+    """Linear warmup to ``peak`` then cosine decay to ``peak * min_lr_ratio``."""
+    warmup = int(round(total_steps * warmup_ratio))
+    if total_steps <= 1:
+        return optax.constant_schedule(peak)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else peak, peak_value=peak, warmup_steps=warmup,
+        decay_steps=total_steps, end_value=peak * min_lr_ratio)
+
+
+def make_optimizer(schedule: optax.Schedule, *, weight_decay: float, b1: float, b2: float,
+                   max_grad_norm: float) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW; norms' scales (1-D params) are not decayed."""
+    return optax.chain(
+        optax.clip_by_global_norm(max_grad_norm),
+        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
+                    mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),
+    )
+
+
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """``[B, L, L]``: causal, within one segment, and nothing for padding (segment 0)."""
+    length = segment_ids.shape[-1]
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real = (segment_ids > 0)[:, :, None]
+    return causal[None] & same & real
+
+
+def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array
+                         ) -> tuple[jax.Array, jax.Array]:
+    """Sum of next-token NLL over ``mask`` positions, and how many there are (fp32)."""
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any
+                 ) -> tuple[jax.Array, jax.Array]:
+    params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+    output = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
+                         attention_mask=attention_mask(batch["segment_ids"]))
+    return masked_cross_entropy(output.logits, batch["targets"], batch["segment_ids"] > 0)
+
+
+def make_train_step(model: Any, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule, compute_dtype: Any, mesh: Any
+                    ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
+    """One jit-compiled step; the incoming state is donated (updated in place)."""
+
+    def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
+        def loss_fn(params):
+            total, count = forward_loss(model, params, batch, compute_dtype)
+            return total / jnp.maximum(count, 1.0), count
+
+        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "useful_tokens": count, "grad_norm": optax.global_norm(grads),
+                   "learning_rate": schedule(state.step)}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return jax.jit(step, donate_argnums=(0,),
+                   in_shardings=(replicated(mesh), batch_sharding(mesh)),
+                   out_shardings=(replicated(mesh), replicated(mesh)))
+
+
+def make_eval_step(model: Any, compute_dtype: Any, mesh: Any
+                   ) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]:
+    def step(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        return forward_loss(model, params, batch, compute_dtype)
+
+    return jax.jit(step, in_shardings=(replicated(mesh), batch_sharding(mesh)),
+                   out_shardings=replicated(mesh))
+
+
+def init_state(params: Any, optimizer: optax.GradientTransformation, mesh: Any) -> TrainState:
+    """Place params replicated on the mesh and build the optimizer state there."""
+    params = jax.device_put(params, replicated(mesh))
+    opt_state = jax.jit(optimizer.init, out_shardings=replicated(mesh))(params)
+    return TrainState(step=jax.device_put(jnp.asarray(0, jnp.int32), replicated(mesh)),
+                      params=params, opt_state=opt_state)
+
+
+def evaluate(eval_step: Callable, params: Any, batches: list[dict[str, np.ndarray]], mesh: Any,
+             ) -> tuple[float, float]:
+    """Mean loss over every real target of the eval set, and its perplexity."""
+    from gemmalab.mesh import global_batch
+
+    total, count = 0.0, 0.0
+    for batch in batches:
+        s, n = jax.device_get(eval_step(params, global_batch(batch, mesh)))
+        total += float(s)
+        count += float(n)
+    loss = total / max(count, 1.0)
+    return loss, float(np.exp(min(loss, 80.0)))

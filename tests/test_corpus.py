@@ -1,0 +1,127 @@
+"""Tests for the embedded TinyStories-style corpus generator."""
+
+import os
+import re
+
+import pytest
+
+from gemmalab import corpus
+from gemmalab.corpus import (
+    GENERATOR_VERSION,
+    PLOT_TYPES,
+    SEPARATOR,
+    embedded_corpus_path,
+    generate_labeled_stories,
+    generate_stories,
+    write_corpus,
+)
+
+SAMPLE = 2000
+
+
+@pytest.fixture(scope="module")
+def labeled() -> list[tuple[str, str]]:
+    return list(generate_labeled_stories(SAMPLE, seed=0))
+
+
+@pytest.fixture(scope="module")
+def stories(labeled: list[tuple[str, str]]) -> list[str]:
+    return [story for _, story in labeled]
+
+
+def test_deterministic_per_seed() -> None:
+    assert list(generate_stories(300, seed=0)) == list(generate_stories(300, seed=0))
+    assert list(generate_stories(300, seed=0)) != list(generate_stories(300, seed=1))
+
+
+def test_prefix_stable_and_labels_match(stories: list[str]) -> None:
+    assert list(generate_stories(50, seed=0)) == stories[:50]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 123])
+def test_count(n: int) -> None:
+    assert len(list(generate_stories(n, seed=5))) == n
+
+
+def test_negative_count_rejected() -> None:
+    with pytest.raises(ValueError):
+        list(generate_stories(-1))
+
+
+def test_stories_nonempty_clean(stories: list[str]) -> None:
+    for s in stories:
+        assert s and s == s.strip()
+        assert SEPARATOR not in s
+        assert "{" not in s and "}" not in s
+        assert s[0].isupper()
+        assert s[-1] in '.!?"'
+        assert "  " not in s and " ." not in s and " ," not in s
+
+
+def test_lengths(stories: list[str]) -> None:
+    words = [len(s.split()) for s in stories]
+    assert min(words) >= 60 and max(words) <= 300
+    assert 80 <= sum(words) / len(words) <= 250
+
+
+def test_write_corpus_round_trips(tmp_path: os.PathLike) -> None:
+    path = write_corpus(tmp_path / "sub" / "c.txt", 200, seed=3)
+    data = path.read_bytes()
+    text = data.decode("utf-8")
+    assert text.endswith("\n" + SEPARATOR + "\n")
+    assert text.count(SEPARATOR) == 200
+    parsed = [p.strip() for p in text.split(SEPARATOR)]
+    assert [p for p in parsed if p] == list(generate_stories(200, seed=3))
+    assert write_corpus(tmp_path / "again.txt", 200, seed=3).read_bytes() == data
+
+
+def test_embedded_corpus_path_caches(tmp_path: os.PathLike, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    p1 = embedded_corpus_path(cache, 100, seed=2)
+    assert p1.is_file()
+    assert p1.name == f"stories-v{GENERATOR_VERSION}-n100-s2.txt"
+    assert p1.read_text(encoding="utf-8").count(SEPARATOR) == 100
+    mtime = p1.stat().st_mtime_ns
+
+    def boom(*args, **kwargs):
+        raise AssertionError("cached corpus was regenerated")
+
+    monkeypatch.setattr(corpus, "write_corpus", boom)
+    p2 = embedded_corpus_path(cache, 100, seed=2)
+    assert p2 == p1 and p2.stat().st_mtime_ns == mtime
+    assert sorted(x.name for x in cache.iterdir()) == [p1.name]  # no temp files left
+    with pytest.raises(AssertionError):
+        embedded_corpus_path(cache, 100, seed=3)  # a different seed is a different file
+    assert sorted(x.name for x in cache.iterdir()) == [p1.name]
+
+
+def test_amy_opening_present(stories: list[str]) -> None:
+    opening = "Once upon a time, there was a girl named Amy."
+    assert sum(s.startswith(opening) for s in stories) >= 5
+    starts = {s.split(",")[0].split(" ")[0] for s in stories}
+    assert {"Once", "One", "There"} <= starts
+
+
+def test_diversity(labeled: list[tuple[str, str]], stories: list[str]) -> None:
+    assert len(set(stories)) > 0.95 * len(stories)
+    plots = {plot for plot, _ in labeled}
+    assert plots == set(PLOT_TYPES) and len(plots) >= 8
+    sentences = {x for s in stories for x in re.split(r"(?<=[.!?])\s+", s)}
+    assert len(sentences) > 2000
+    names = {m.group(1) for s in stories for m in re.finditer(r"(?:girl|boy) named (\w+)", s)}
+    assert len(names) >= 40
+
+
+def test_pronoun_agreement(stories: list[str]) -> None:
+    for s in stories:
+        assert not re.search(r"\bgirl (?:named|called) \w+\.\s+He\b", s), s
+        assert not re.search(r"\bboy (?:named|called) \w+\.\s+She\b", s), s
+        m = re.match(r"Once upon a time, there was a (girl|boy) named (\w+)\.\s+(He|She)\b", s)
+        if m:
+            assert m.group(3) == ("She" if m.group(1) == "girl" else "He"), s
+
+
+def test_articles(stories: list[str]) -> None:
+    for s in stories:
+        assert not re.search(r"\ba [aeiouAEIOU]", s), s
+        assert not re.search(r"\ban [^aeiouhAEIOUH\s]", s), s
