@@ -28,11 +28,11 @@ class TrainConfig:
     model: str = "gemma3-tiny"
     checkpoint: str = ""  # CheckpointPath name, local/gs:// Orbax dir, or "" for random init.
     tokenizer: str = "local"  # "local", "gemma3", or a SentencePiece .model path.
-    tokenizer_vocab_size: int = 4096  # Only for tokenizer="local".
+    tokenizer_vocab_size: int = 2048  # Only for tokenizer="local".
 
     # Data.
     data_path: str = ""  # "" = the embedded generated corpus.
-    embedded_stories: int = 30_000  # Size of the embedded corpus.
+    embedded_stories: int = 12_000  # Size of the embedded corpus.
     datacount: int | None = None  # Cap on stories read (None = all).
     eval_fraction: float = 0.02
     max_eval_stories: int = 1_000
@@ -52,7 +52,7 @@ class TrainConfig:
     adam_b2: float = 0.95
     max_grad_norm: float = 1.0
     param_dtype: str = "float32"  # Master weights and optimizer state.
-    compute_dtype: str = "auto"  # "auto": bfloat16 on TPU/GPU, float32 on CPU.
+    compute_dtype: str = "bfloat16"  # Matmuls; ~25% faster than float32 even on CPUs.
 
     # Bookkeeping.
     eval_every: int = 100  # 0 = evaluate only at the start and end.
@@ -123,10 +123,10 @@ class TrainConfig:
             f"use one of {DTYPES}",
         )
         require(
-            self.compute_dtype in (*DTYPES, "auto"),
+            self.compute_dtype in DTYPES,
             "compute_dtype",
             f"unknown dtype {self.compute_dtype!r}",
-            "use auto, float32 or bfloat16",
+            f"use one of {DTYPES}",
         )
         require(self.eval_every >= 0, "eval_every", "is negative", "use 0 (end only) or a step count")
         require(self.log_every >= 1, "log_every", "is below 1", "use e.g. 10")
@@ -134,7 +134,7 @@ class TrainConfig:
             self.tokenizer_vocab_size >= 512,
             "tokenizer_vocab_size",
             f"{self.tokenizer_vocab_size} is too small (256 ids are byte fallbacks)",
-            "use at least 512 (4096 suits the embedded corpus)",
+            "use at least 512 (2048 suits the embedded corpus)",
         )
         require(self.embedded_stories >= 10, "embedded_stories", "is below 10", "use e.g. 30000")
         require(self.tokenize_workers >= 0, "tokenize_workers", "is negative", "use 0 for all cores")

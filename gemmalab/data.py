@@ -31,14 +31,17 @@ from typing import Any
 import numpy as np
 
 from gemmalab import storage
+from gemmalab.corpus import SEPARATOR
 from gemmalab.errors import ConfigError
 from gemmalab.tokenizer import TokenizerInfo, encode_stories, init_encoder
 
-SEPARATOR = "<|endoftext|>"
 READ_CHUNK_BYTES = 8 << 20
 SEPARATOR_SCAN_BYTES = 64 << 20
 CACHE_FORMAT_VERSION = 1
 STORIES_PER_TASK = 256
+# Best-fit over this many open rows packs ~96% real tokens at maxlen 256 with ~130-token stories
+# (64 bins: 89%); cost is ~0.5 ms per story, in grain's prefetch thread.
+PACKING_BINS = 1024
 Batch = dict[str, np.ndarray]  # tokens, targets, segment_ids, positions: int32 [rows, maxlen]
 
 
@@ -381,7 +384,7 @@ def _rows(windows: Any, *, maxlen: int, packing: bool, num_bins: int, seed: int,
     import grain
 
     if packing:
-        packed = grain.experimental.FirstFitPackIterDataset(
+        packed = grain.experimental.BestFitPackIterDataset(
             windows, length_struct={"inputs": maxlen, "targets": maxlen},
             num_packing_bins=num_bins, seed=seed, shuffle_bins=shuffle_bins)
         return packed.map(_from_packed)
@@ -398,7 +401,7 @@ def train_batches(split: TokenizedSplit, *, maxlen: int, rows_per_process: int, 
 
     windows = grain.MapDataset.source(WindowSource(split, maxlen)).shuffle(seed=seed).repeat(None)
     rows = _rows(windows.to_iter_dataset(), maxlen=maxlen, packing=packing,
-                 num_bins=max(rows_per_process, 16), seed=seed, shuffle_bins=True)
+                 num_bins=max(rows_per_process, PACKING_BINS), seed=seed, shuffle_bins=True)
     batched = rows.batch(rows_per_process, drop_remainder=True)
     return iter(grain.experimental.ThreadPrefetchIterDataset(batched, prefetch_buffer_size=prefetch))
 

@@ -24,12 +24,6 @@ from gemmalab.errors import ConfigError
 FINAL_LOSS_WINDOW = 10
 
 
-def resolve_compute_dtype(name: str) -> Any:
-    if name == "auto":
-        return jnp.bfloat16 if jax.default_backend() in ("tpu", "gpu") else jnp.float32
-    return jnp.dtype(name)
-
-
 class MetricsSink:
     """``metrics.jsonl`` and ``eval.jsonl`` in ``output_dir``; only process 0 writes."""
 
@@ -149,7 +143,7 @@ class Experiment:
         state = training.init_state(params, optimizer, device_mesh)
         return cls(config=config, mesh=device_mesh, tokenizer=tokenizer, tokenizer_info=info,
                    model_config=model_config, model=model, state=state, optimizer=optimizer,
-                   schedule=schedule, compute_dtype=resolve_compute_dtype(config.compute_dtype),
+                   schedule=schedule, compute_dtype=jnp.dtype(config.compute_dtype),
                    train_iterator=iterator, eval_batches=evals, total_steps=total_steps,
                    steps_per_epoch=per_epoch, data_stats=stats, checkpoint_name=checkpoint.name)
 

@@ -142,6 +142,7 @@ def train_local_tokenizer(stories: Iterable[str], path: Path, *, vocab_size: int
             split_digits=True,
             normalization_rule_name="identity",
             remove_extra_whitespaces=False,
+            add_dummy_prefix=False,  # as Gemma's tokenizer: text is encoded exactly as given
             allow_whitespace_only_pieces=True,
             pad_id=PAD_ID, pad_piece="<pad>",
             eos_id=EOS_ID, eos_piece="<eos>",

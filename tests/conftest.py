@@ -1,0 +1,34 @@
+"""Shared fixtures. Eight virtual CPU devices make every test exercise the data-parallel mesh."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from gemmalab import corpus  # noqa: E402
+
+PROMPT = "Once upon a time, there was a girl named Amy."
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One gemmalab cache (corpora, tokenizers, token caches) for the whole session."""
+    return tmp_path_factory.mktemp("gemmalab-cache")
+
+
+@pytest.fixture(scope="session")
+def stories_file(tmp_path_factory) -> Path:
+    """A small TinyStories-format file from the embedded generator."""
+    return corpus.write_corpus(tmp_path_factory.mktemp("data") / "stories.txt", 400, seed=1)
+
+
+def write_text(path: Path, text: str | bytes) -> Path:
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path

@@ -1,0 +1,53 @@
+import pytest
+
+from gemmalab.config import TrainConfig
+from gemmalab.errors import ConfigError
+
+
+def test_defaults_are_valid_and_round_trip():
+    config = TrainConfig()
+    assert TrainConfig.from_dict(config.to_dict()) == config
+    assert config.maxlen == 256 and config.packing
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model", "gemma4-huge"),
+        ("maxlen", 7),
+        ("batch_size", 0),
+        ("datacount", 0),
+        ("datacount", -5),
+        ("eval_fraction", 0.0),
+        ("eval_fraction", 1.0),
+        ("num_epochs", 0),
+        ("max_steps", 0),
+        ("learning_rate", -1e-3),
+        ("warmup_ratio", 1.0),
+        ("max_grad_norm", 0.0),
+        ("param_dtype", "float16"),
+        ("compute_dtype", "int8"),
+        ("eval_every", -1),
+        ("tokenizer_vocab_size", 100),
+        ("output_dir", ""),
+        ("tokenizer", ""),
+    ],
+)
+def test_bad_values_name_the_parameter(field, value):
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(**{field: value})
+    message = str(error.value)
+    assert message.startswith(f"{field}: ")
+    assert "Fix: " in message
+    assert "\n" not in message
+    assert error.value.parameter == field
+
+
+def test_unknown_parameter_is_rejected():
+    with pytest.raises(ConfigError, match="^batchsize: is not a training parameter"):
+        TrainConfig.from_dict({"batchsize": 3})
+
+
+def test_jupyter_renders_one_line():
+    error = ConfigError("maxlen", "3 is too short", "use 256")
+    assert error._render_traceback_() == ["ConfigError: maxlen: 3 is too short. Fix: use 256"]

@@ -1,0 +1,225 @@
+import json
+
+import numpy as np
+import pytest
+from conftest import write_text
+
+from gemmalab import data
+from gemmalab.errors import ConfigError
+from gemmalab.tokenizer import BOS_ID, EOS_ID
+
+SEP = "<|endoftext|>"
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def test_iter_stories_splits_strips_and_drops_empty(tmp_path):
+    path = write_text(tmp_path / "s.txt",
+                      f"\ufeffOne.\n{SEP}\n  \n{SEP}\nTwo\nlines.\n{SEP}\n{SEP}Three{SEP}\n")
+    assert list(data.iter_stories(str(path))) == ["One.", "Two\nlines.", "Three"]
+
+
+def test_iter_stories_keeps_text_after_the_last_separator(tmp_path):
+    path = write_text(tmp_path / "s.txt", f"a{SEP}b")
+    assert list(data.iter_stories(str(path))) == ["a", "b"]
+
+
+def test_iter_stories_streams_across_chunk_boundaries(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "READ_CHUNK_BYTES", 7)  # cuts separators and multi-byte chars
+    stories = [f"story {i} with ünïcödé ✓" for i in range(50)]
+    path = write_text(tmp_path / "s.txt", "".join(f"{s}\n{SEP}\n" for s in stories))
+    assert list(data.iter_stories(str(path))) == stories
+
+
+def test_non_utf8_byte_is_reported_with_its_offset(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "READ_CHUNK_BYTES", 16)
+    path = write_text(tmp_path / "s.txt", b"good story " + SEP.encode() + b" caf\xe9 " * 10)
+    with pytest.raises(ConfigError, match=r"^data_path: .* not UTF-8 .*offset 28\)"):
+        list(data.iter_stories(str(path)))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "does not exist"),
+        (b"", "is empty"),
+        (b"caf\xe9 au lait" + SEP.encode(), "is not UTF-8 text"),
+        (b"just one long text without the marker", "has no <|endoftext|> separator"),
+        ((SEP + "\n  " + SEP).encode(), "only separators"),
+    ],
+)
+def test_bad_data_files_fail_early_with_one_line(tmp_path, content, message):
+    path = tmp_path / "data.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError) as error:
+        data.validate_data_file(str(path))
+    assert str(error.value).startswith("data_path: ")
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_directory_is_not_a_data_file(tmp_path):
+    with pytest.raises(ConfigError, match="is not a file"):
+        data.validate_data_file(str(tmp_path))
+
+
+def test_gcs_data_path_without_credentials(monkeypatch):
+    monkeypatch.setattr("gemmalab.storage._gcs_credentials_found", lambda: False)
+    with pytest.raises(ConfigError, match="^data_path: gs://b/s.txt is on Google Cloud Storage"):
+        data.validate_data_file("gs://b/s.txt")
+
+
+def test_split_rule_is_deterministic_and_shards_train_stories():
+    stories = [f"s{i}" for i in range(100)]
+    rule = data.SplitRule(eval_fraction=0.1, max_eval_stories=5)
+    labelled = list(rule.label_stories(iter(stories), datacount=None))
+    evals = [s for label, s in labelled if label == "eval"]
+    assert evals == ["s9", "s19", "s29", "s39", "s49"]  # every 10th, capped at 5
+    shards = [
+        [s for label, s in data.SplitRule(0.1, 5, p, 3).label_stories(iter(stories), None)
+         if label == "train"]
+        for p in range(3)
+    ]
+    assert sorted(sum(shards, [])) == sorted(set(stories) - set(evals))
+    assert not set(shards[0]) & set(shards[1])
+    assert [len(s) for s in shards] == [32, 32, 31]
+
+
+def test_datacount_caps_the_stories_read():
+    rule = data.SplitRule(eval_fraction=0.5, max_eval_stories=100)
+    assert len(list(rule.label_stories(iter(["a"] * 50), datacount=10))) == 10
+
+
+# --- token cache ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_tokenizer(stories_file, tmp_path_factory):
+    from gemmalab.tokenizer import load_tokenizer
+
+    rule = data.SplitRule(0.1, 100)
+    _, info = load_tokenizer("local", cache_dir=tmp_path_factory.mktemp("tok"),
+                             training_stories=data.training_stories(str(stories_file), rule, None),
+                             vocab_size=600, corpus_fingerprint="test")
+    return info
+
+
+def test_token_cache_holds_bos_story_eos_and_is_reused(stories_file, local_tokenizer, tmp_path,
+                                                       monkeypatch):
+    import sentencepiece as spm
+
+    corpus = data.Corpus(str(stories_file), "fp", embedded=False)
+    rule = data.SplitRule(0.1, 100)
+    cache = data.load_or_build_token_cache(corpus, local_tokenizer, rule=rule, datacount=None,
+                                           cache_dir=tmp_path, workers=2)
+    assert cache.meta["stories_read"] == 400
+    assert cache.eval.num_docs == 40 and cache.train.num_docs == 360
+    processor = spm.SentencePieceProcessor()
+    processor.LoadFromSerializedProto(local_tokenizer.model_proto)
+    first_train = next(s for i, s in enumerate(data.iter_stories(str(stories_file))) if i == 0)
+    doc = cache.train.doc(0)
+    assert doc[0] == BOS_ID and doc[-1] == EOS_ID
+    assert processor.DecodeIds(doc[1:-1].tolist()) == first_train
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("the cache should have been reused")
+
+    monkeypatch.setattr(data, "_build_token_cache", no_rebuild)
+    again = data.load_or_build_token_cache(corpus, local_tokenizer, rule=rule, datacount=None,
+                                           cache_dir=tmp_path, workers=1)
+    np.testing.assert_array_equal(again.train.tokens, cache.train.tokens)
+
+
+def test_datacount_above_the_corpus_warns_and_uses_all(stories_file, local_tokenizer, tmp_path):
+    corpus = data.Corpus(str(stories_file), "fp", embedded=False)
+    with pytest.warns(UserWarning, match="datacount=10000 but .* has only 400 stories"):
+        cache = data.load_or_build_token_cache(corpus, local_tokenizer,
+                                               rule=data.SplitRule(0.1, 100), datacount=10000,
+                                               cache_dir=tmp_path, workers=1)
+    assert cache.train.num_docs + cache.eval.num_docs == 400
+
+
+def test_too_few_stories_for_training_is_an_error(tmp_path, local_tokenizer):
+    path = write_text(tmp_path / "s.txt", f"only one{SEP}")
+    corpus = data.Corpus(str(path), "fp", embedded=False)
+    with pytest.raises(ConfigError, match="no training stories left"):
+        data.load_or_build_token_cache(corpus, local_tokenizer, rule=data.SplitRule(0.5, 10, 1, 2),
+                                       datacount=None, cache_dir=tmp_path, workers=1)
+
+
+# --- rows ----------------------------------------------------------------------------------
+
+
+def _split(*docs):
+    tokens = np.concatenate([np.asarray(d, np.int32) for d in docs])
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+    return data.TokenizedSplit(tokens=tokens, offsets=offsets)
+
+
+def test_windows_cover_every_target_once_and_never_truncate():
+    long_doc = list(range(100, 121))  # 21 tokens -> 20 pairs -> windows of 8, 8, 4
+    split = _split([2, 5, 1], long_doc, [2, 1])
+    source = data.WindowSource(split, maxlen=8)
+    windows = [source[i] for i in range(len(source))]
+    assert [len(w["inputs"]) for w in windows] == [2, 8, 8, 4, 1]
+    assert source.num_targets == 2 + 20 + 1
+    assert source.num_split_docs == 1
+    targets = np.concatenate([w["targets"] for w in windows[1:4]])
+    np.testing.assert_array_equal(targets, long_doc[1:])
+    for w in windows:
+        np.testing.assert_array_equal(w["inputs"][1:], w["targets"][:-1])
+
+
+def test_padded_rows_mask_padding():
+    split = _split([2, 10, 11, 1], [2, 20, 1])
+    (batch,) = data.eval_batches(split, maxlen=6, batch_size=2, packing=False)
+    np.testing.assert_array_equal(batch["tokens"], [[2, 10, 11, 0, 0, 0], [2, 20, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(batch["targets"], [[10, 11, 1, 0, 0, 0], [20, 1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
+
+
+def test_packed_rows_have_segments_positions_and_masks():
+    split = _split([2, 10, 11, 1], [2, 20, 1], [2, 30, 31, 32, 1])
+    batches = data.eval_batches(split, maxlen=8, batch_size=2, packing=True)
+    rows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    real = rows["segment_ids"] > 0
+    assert real.sum() == 3 + 2 + 4  # every next-token pair, nothing more
+    for r in range(len(rows["tokens"])):
+        for segment in set(rows["segment_ids"][r][real[r]]):
+            where = rows["segment_ids"][r] == segment
+            np.testing.assert_array_equal(rows["positions"][r][where], np.arange(where.sum()))
+            assert rows["tokens"][r][where][0] == BOS_ID  # each segment starts its own story
+        assert (rows["targets"][r][~real[r]] == 0).all()
+    assert sorted(rows["targets"][real].tolist()) == sorted([10, 11, 1, 20, 1, 30, 31, 32, 1])
+
+
+def test_eval_batches_are_padded_and_sliced_per_process():
+    split = _split(*[[2, 5 + i, 1] for i in range(5)])
+    whole = data.eval_batches(split, maxlen=4, batch_size=4, packing=False)
+    assert len(whole) == 2 and whole[1]["segment_ids"][1:].sum() == 0  # 5 rows -> 8, padded
+    parts = [data.eval_batches(split, maxlen=4, batch_size=4, packing=False,
+                               process_index=p, process_count=2) for p in range(2)]
+    for b in range(2):
+        joined = np.concatenate([parts[0][b]["tokens"], parts[1][b]["tokens"]])
+        np.testing.assert_array_equal(joined, whole[b]["tokens"])
+
+
+def test_train_batches_are_endless_reshuffled_and_checkpointable():
+    split = _split(*[[2, 10 + i, 1] for i in range(6)])
+    iterator = data.train_batches(split, maxlen=4, rows_per_process=3, packing=False, seed=0)
+    epoch = [next(iterator)["tokens"][:, 1] for _ in range(2)]
+    assert sorted(np.concatenate(epoch).tolist()) == list(range(10, 16))
+    state = iterator.get_state()
+    upcoming = [next(iterator)["tokens"] for _ in range(3)]
+    iterator.set_state(state)
+    for expected in upcoming:
+        np.testing.assert_array_equal(next(iterator)["tokens"], expected)
+    json.dumps(state)  # grain states are JSON-serialisable: resumable from Orbax
+
+
+def test_steps_per_epoch():
+    assert data.steps_per_epoch(1000, 50, batch_size=4, maxlen=100, packing=True) == 3
+    assert data.steps_per_epoch(1000, 50, batch_size=4, maxlen=100, packing=False) == 12
+    assert data.steps_per_epoch(1, 1, batch_size=4, maxlen=100, packing=False) == 1

@@ -1,0 +1,165 @@
+"""A whole run on a small corpus, and every bad-input error the run must raise early."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import PROMPT, write_text
+
+from gemmalab import data, models
+from gemmalab.config import TrainConfig
+from gemmalab.errors import ConfigError
+from gemmalab.experiment import Experiment
+
+
+def small_config(tmp_path, cache_dir, stories_file, **overrides) -> TrainConfig:
+    values = dict(data_path=str(stories_file), cache_dir=str(cache_dir),
+                  output_dir=str(tmp_path / "run"), batch_size=8, maxlen=64, max_steps=12,
+                  eval_every=5, tokenizer_vocab_size=600, tokenize_workers=1, seed=3)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cache_dir, stories_file):
+    tmp_path = tmp_path_factory.mktemp("experiment")
+    experiment = Experiment.prepare(small_config(tmp_path, cache_dir, stories_file))
+    before = experiment.sample(PROMPT, max_new_tokens=8)
+    summary = experiment.train(progress=False)
+    saved = experiment.save()
+    return experiment, summary, saved, before
+
+
+def test_a_run_learns_and_reports(finished_run):
+    experiment, summary, _, _ = finished_run
+    assert summary["steps"] == 12
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
+    assert summary["final_eval_perplexity"] < summary["initial_eval_perplexity"] / 3
+    assert summary["initial_eval_perplexity"] == pytest.approx(
+        np.exp(summary["initial_eval_loss"]), rel=1e-6)
+    assert 0.5 < summary["useful_token_share"] <= 1.0
+    assert summary["params"]["batch_size"] == 8
+    assert summary["model_config"]["num_embed"] == 600
+    assert [r["step"] for r in experiment.eval_history] == [0, 5, 10, 12]
+
+
+def test_outputs_on_disk(finished_run):
+    experiment, summary, saved, _ = finished_run
+    output = experiment.config.output_dir
+    records = [json.loads(line) for line in open(f"{output}/metrics.jsonl")]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for record in records:
+        assert {"step", "loss", "useful_tokens", "step_time_s", "learning_rate", "grad_norm",
+                "tokens", "data_wait_s", "tokens_per_s"} <= set(record)
+        assert 0 < record["useful_tokens"] <= record["tokens"] == 8 * 64
+    on_disk = json.load(open(f"{output}/summary.json"))
+    for key in ("initial_train_loss", "final_train_loss", "initial_eval_loss", "final_eval_loss",
+                "initial_eval_perplexity", "final_eval_perplexity", "useful_tokens_per_s",
+                "train_seconds", "params", "model_config"):
+        assert key in on_disk
+    assert on_disk["final_eval_loss"] == summary["final_eval_loss"]
+    assert models.config_from_dict(on_disk["model_config"]) == experiment.model_config
+    assert saved == f"{output}/params"
+
+
+def test_saved_params_load_with_gemma_and_reproduce_eval(finished_run):
+    import jax
+    from gemma import gm
+
+    experiment, summary, saved, _ = finished_run
+    loaded = gm.ckpts.load_params(saved)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(experiment.state.params),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    rebuilt = models.build_model(models.config_from_dict(summary["model_config"]),
+                                 param_dtype=np.float32)
+    experiment_copy = Experiment(**{**experiment.__dict__, "model": rebuilt})
+    experiment_copy.state = experiment.state.replace(params=loaded)
+    assert experiment_copy.evaluate()[0] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+
+
+def test_resume_from_saved_params(finished_run, tmp_path, cache_dir, stories_file):
+    experiment, summary, saved, _ = finished_run
+    again = Experiment.prepare(small_config(tmp_path, cache_dir, stories_file, checkpoint=saved))
+    assert again.evaluate()[0] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+
+
+def test_sampling_before_and_after(finished_run):
+    experiment, _, _, before = finished_run
+    after = experiment.sample([PROMPT, "Tom had a"], max_new_tokens=8)
+    assert isinstance(before, str) and len(after) == 2
+    assert all(isinstance(text, str) for text in after)
+
+
+# --- bad input: one line, naming the parameter, before tokenization/initialisation -----------
+
+
+@pytest.fixture
+def nothing_expensive(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("expensive work started before the input was validated")
+
+    monkeypatch.setattr(data, "load_or_build_token_cache", forbidden)
+    monkeypatch.setattr(models, "build_model", forbidden)
+
+
+def _expect(parameter, fragment, config):
+    with pytest.raises(ConfigError) as error:
+        Experiment.prepare(config)
+    message = str(error.value)
+    assert message.startswith(f"{parameter}: "), message
+    assert fragment in message and "Fix: " in message and "\n" not in message
+
+
+def test_batch_size_not_divisible_by_devices(tmp_path, cache_dir, stories_file,
+                                             nothing_expensive):
+    _expect("batch_size", "not divisible by the data-parallel size 8",
+            small_config(tmp_path, cache_dir, stories_file, batch_size=12))
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [(None, "does not exist"), (b"", "is empty"), (b"\xff\xfe bad" + b"<|endoftext|>", "UTF-8"),
+     (b"no separator here", "no <|endoftext|> separator")],
+)
+def test_bad_data_path(tmp_path, cache_dir, content, fragment, nothing_expensive):
+    path = tmp_path / "data.txt"
+    if content is not None:
+        write_text(path, content)
+    _expect("data_path", fragment, small_config(tmp_path, cache_dir, path))
+
+
+def test_unknown_tokenizer(tmp_path, cache_dir, stories_file, nothing_expensive):
+    _expect("tokenizer", "unknown tokenizer or missing file 'sentencepiece'",
+            small_config(tmp_path, cache_dir, stories_file, tokenizer="sentencepiece"))
+
+
+def test_unknown_checkpoint(tmp_path, cache_dir, stories_file, nothing_expensive):
+    _expect("checkpoint", "unknown checkpoint 'GEMMA3_270M'",
+            small_config(tmp_path, cache_dir, stories_file, model="gemma3-270m",
+                         checkpoint="GEMMA3_270M"))
+
+
+def test_gcs_paths_without_credentials(tmp_path, cache_dir, stories_file, monkeypatch,
+                                       nothing_expensive):
+    monkeypatch.setattr("gemmalab.storage._gcs_credentials_found", lambda: False)
+    _expect("data_path", "gs://bucket/stories.txt is on Google Cloud Storage",
+            small_config(tmp_path, cache_dir, "gs://bucket/stories.txt"))
+    _expect("output_dir", "gs://bucket/run is on Google Cloud Storage",
+            small_config(tmp_path, cache_dir, stories_file, output_dir="gs://bucket/run"))
+    _expect("checkpoint", "is on Google Cloud Storage",
+            small_config(tmp_path, cache_dir, stories_file, model="gemma3-270m",
+                         checkpoint="GEMMA3_270M_PT"))
+
+
+def test_tokenizer_larger_than_the_embedding(tmp_path, cache_dir, stories_file, monkeypatch,
+                                             nothing_expensive):
+    real = models.model_config
+    monkeypatch.setattr(models, "model_config", lambda name, vocab: real(name, 256))
+    _expect("tokenizer", "vocabulary (600) is larger than gemma3-tiny's embedding (256)",
+            small_config(tmp_path, cache_dir, stories_file))
+
+
+def test_datacount_zero_is_rejected_by_the_config(tmp_path, cache_dir, stories_file):
+    with pytest.raises(ConfigError, match="^datacount: 0 stories requested"):
+        small_config(tmp_path, cache_dir, stories_file, datacount=0)

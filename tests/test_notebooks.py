@@ -1,0 +1,43 @@
+"""The training notebook, executed headlessly by papermill with tiny parameters."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+@pytest.mark.slow
+def test_train_notebook_runs_offline_end_to_end(tmp_path, cache_dir):
+    import papermill
+
+    output_dir = tmp_path / "run"
+    papermill.execute_notebook(
+        str(NOTEBOOKS / "train.ipynb"), str(tmp_path / "train.out.ipynb"),
+        parameters=dict(batch_size=8, maxlen=64, max_steps=6, eval_every=3, embedded_stories=300,
+                        tokenizer_vocab_size=600, max_new_tokens=8, output_dir=str(output_dir),
+                        cache_dir=str(cache_dir)),
+        kernel_name="python3", progress_bar=False, cwd=str(tmp_path),
+    )
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["steps"] == 6
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert summary["data"]["embedded_corpus"] is True
+    assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 6
+    assert (output_dir / "params").is_dir()
+    executed = json.loads((tmp_path / "train.out.ipynb").read_text())
+    text = json.dumps(executed)
+    assert "Once upon a time, there was a girl named Amy." in text
+    assert "params saved to" in text
+
+
+def test_notebook_has_a_parameters_cell_and_thin_cells():
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        notebook = json.loads(path.read_text())
+        tags = [c.get("metadata", {}).get("tags", []) for c in notebook["cells"]]
+        assert sum("parameters" in t for t in tags) == 1, path
+        for cell in notebook["cells"]:
+            if cell["cell_type"] == "code" and "parameters" not in cell["metadata"].get("tags", []):
+                source = "".join(cell["source"]).splitlines()
+                assert len(source) <= 15, f"{path.name}: move logic into gemmalab"

@@ -1,0 +1,145 @@
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemmalab import mesh, models, training
+
+
+def test_masked_cross_entropy_matches_a_hand_computed_reference():
+    logits = jnp.asarray([[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [5.0, 5.0, 5.0]]])
+    targets = jnp.asarray([[0, 2, 1]])
+    mask = jnp.asarray([[True, True, False]])
+    total, count = training.masked_cross_entropy(logits, targets, mask)
+    first = -(2.0 - math.log(math.exp(2) + 2))  # -log softmax([2,0,0])[0]
+    second = -(0.0 - math.log(math.e + 2))  # -log softmax([0,1,0])[2]
+    assert float(count) == 2.0
+    assert float(total) == pytest.approx(first + second, rel=1e-6)
+
+
+def test_masked_positions_contribute_nothing():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 5, 7)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 7, size=(2, 5)))
+    mask = jnp.asarray(rng.random((2, 5)) > 0.4)
+    other = jnp.where(mask, targets, (targets + 3) % 7)  # change only masked-out targets
+    noisy = jnp.where(mask[..., None], logits, logits * 100)
+    reference = [float(x) for x in training.masked_cross_entropy(logits, targets, mask)]
+    changed = [float(x) for x in training.masked_cross_entropy(noisy, other, mask)]
+    assert changed == pytest.approx(reference)
+
+
+def test_attention_mask_is_causal_within_segments_and_empty_for_padding():
+    segments = jnp.asarray([[1, 1, 2, 2, 0]])
+    expected = np.array([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0],
+    ], bool)
+    np.testing.assert_array_equal(training.attention_mask(segments)[0], expected)
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    schedule = training.learning_rate_schedule(1e-3, 100, warmup_ratio=0.1, min_lr_ratio=0.1)
+    assert float(schedule(0)) == 0.0
+    assert float(schedule(10)) == pytest.approx(1e-3)
+    assert float(schedule(100)) == pytest.approx(1e-4)
+    assert float(schedule(5)) == pytest.approx(5e-4)
+
+
+def _tiny_setup(vocab=64, maxlen=16):
+    config = models.model_config("gemma3-tiny", vocab)
+    model = models.build_model(config, param_dtype=jnp.float32)
+    params = model.init(jax.random.key(0), jnp.zeros((1, maxlen), jnp.int32))["params"]
+    return model, params
+
+
+def _batch(rows=8, maxlen=16, vocab=64, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, vocab, size=(rows, maxlen)).astype(np.int32)
+    segments = np.ones((rows, maxlen), np.int32)
+    segments[:, maxlen // 2:] = 2
+    segments[::2, -3:] = 0  # padding on half the rows
+    positions = np.where(segments == 2, np.arange(maxlen) - maxlen // 2, np.arange(maxlen))
+    return {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1) * (segments > 0),
+            "segment_ids": segments, "positions": positions.astype(np.int32)}
+
+
+def test_params_are_fp32_masters_and_a_step_learns():
+    model, params = _tiny_setup()
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    device_mesh = mesh.make_mesh()
+    assert mesh.data_parallel_size(device_mesh) == 8  # conftest: 8 virtual CPU devices
+    schedule = training.learning_rate_schedule(1e-2, 20, warmup_ratio=0.0, min_lr_ratio=1.0)
+    optimizer = training.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
+                                        max_grad_norm=1.0)
+    state = training.init_state(params, optimizer, device_mesh)
+    step = training.make_train_step(model, optimizer, schedule, jnp.bfloat16, device_mesh)
+    batch = mesh.global_batch(_batch(), device_mesh)
+    losses = []
+    for _ in range(8):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert int(state.step) == 8
+    assert float(metrics["useful_tokens"]) == 8 * 16 - 4 * 3
+    assert losses[-1] < losses[0] - 0.5
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+    assert float(metrics["grad_norm"]) > 0
+
+
+def test_padding_does_not_change_loss_or_gradients():
+    model, params = _tiny_setup()
+    batch = _batch()
+    changed = dict(batch)
+    pad = batch["segment_ids"] == 0
+    changed["tokens"] = np.where(pad, 7, batch["tokens"])
+    changed["targets"] = np.where(pad, 9, batch["targets"])
+
+    def loss(p, b):
+        total, count = training.forward_loss(model, p, b, jnp.float32)
+        return total / count
+
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    value2, grads2 = jax.value_and_grad(loss)(params, changed)
+    assert float(value) == pytest.approx(float(value2), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads2), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_packed_segments_do_not_see_each_other():
+    """The loss of a story is the same alone or packed after another story."""
+    model, params = _tiny_setup()
+    story = np.asarray([2, 11, 12, 13, 14, 15, 1], np.int32)
+    alone = {"tokens": np.zeros((1, 16), np.int32), "targets": np.zeros((1, 16), np.int32),
+             "segment_ids": np.zeros((1, 16), np.int32), "positions": np.zeros((1, 16), np.int32)}
+    alone["tokens"][0, :6], alone["targets"][0, :6] = story[:-1], story[1:]
+    alone["segment_ids"][0, :6], alone["positions"][0, :6] = 1, np.arange(6)
+    packed = {k: v.copy() for k, v in alone.items()}
+    packed["tokens"][0, 6:12], packed["targets"][0, 6:12] = story[:-1] + 20, story[1:] + 20
+    packed["segment_ids"][0, 6:12], packed["positions"][0, 6:12] = 2, np.arange(6)
+    only_first = dict(packed, segment_ids=np.where(packed["segment_ids"] == 2, 3, 1) *
+                      (packed["segment_ids"] > 0))
+    total_alone, _ = training.forward_loss(model, params, alone, jnp.float32)
+    logits_mask = only_first["segment_ids"] == 1
+    output = model.apply({"params": params}, jnp.asarray(packed["tokens"]),
+                         positions=jnp.asarray(packed["positions"]),
+                         attention_mask=training.attention_mask(jnp.asarray(packed["segment_ids"])))
+    total_first, _ = training.masked_cross_entropy(output.logits, jnp.asarray(packed["targets"]),
+                                                   jnp.asarray(logits_mask))
+    assert float(total_first) == pytest.approx(float(total_alone), rel=1e-5)
+
+
+def test_evaluate_counts_every_real_target():
+    model, params = _tiny_setup()
+    device_mesh = mesh.make_mesh()
+    eval_step = training.make_eval_step(model, jnp.float32, device_mesh)
+    batches = [_batch(seed=1), _batch(seed=2)]
+    loss, perplexity = training.evaluate(eval_step, jax.device_put(params), batches, device_mesh)
+    totals = [training.forward_loss(model, params, b, jnp.float32) for b in batches]
+    expected = sum(float(t) for t, _ in totals) / sum(float(n) for _, n in totals)
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert perplexity == pytest.approx(math.exp(expected), rel=1e-5)
