@@ -74,7 +74,8 @@ class TrainConfig:
             f"{self.maxlen} is too short",
             f"use maxlen >= {MIN_MAXLEN} (256 is the usual value)",
         )
-        require(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1", "use a positive batch")
+        require(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1",
+                "use a positive batch")
         if self.datacount is not None:
             require(
                 self.datacount > 0,
@@ -128,7 +129,8 @@ class TrainConfig:
             f"unknown dtype {self.compute_dtype!r}",
             f"use one of {DTYPES}",
         )
-        require(self.eval_every >= 0, "eval_every", "is negative", "use 0 (end only) or a step count")
+        require(self.eval_every >= 0, "eval_every", "is negative",
+                "use 0 (end only) or a step count")
         require(self.log_every >= 1, "log_every", "is below 1", "use e.g. 10")
         require(
             self.tokenizer_vocab_size >= 512,
@@ -137,7 +139,8 @@ class TrainConfig:
             "use at least 512 (2048 suits the embedded corpus)",
         )
         require(self.embedded_stories >= 10, "embedded_stories", "is below 10", "use e.g. 30000")
-        require(self.tokenize_workers >= 0, "tokenize_workers", "is negative", "use 0 for all cores")
+        require(self.tokenize_workers >= 0, "tokenize_workers", "is negative",
+                "use 0 for all cores")
         require(
             self.max_eval_stories >= 1,
             "max_eval_stories",
@@ -160,5 +163,6 @@ class TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         for name in values:
             if name not in known:
-                raise ConfigError(name, "is not a training parameter", f"use one of {sorted(known)}")
+                raise ConfigError(name, "is not a training parameter",
+                                  f"use one of {sorted(known)}")
         return cls(**values)

@@ -176,7 +176,8 @@ class SplitRule:
 def training_stories(path: str, rule: SplitRule, datacount: int | None) -> Iterator[str]:
     """All train-split stories (every shard): what a local tokenizer is trained on."""
     whole = dataclasses.replace(rule, process_index=0, process_count=1)
-    return (s for label, s in whole.label_stories(iter_stories(path), datacount) if label == "train")
+    labelled = whole.label_stories(iter_stories(path), datacount)
+    return (story for label, story in labelled if label == "train")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +404,9 @@ def train_batches(split: TokenizedSplit, *, maxlen: int, rows_per_process: int, 
     rows = _rows(windows.to_iter_dataset(), maxlen=maxlen, packing=packing,
                  num_bins=max(rows_per_process, PACKING_BINS), seed=seed, shuffle_bins=True)
     batched = rows.batch(rows_per_process, drop_remainder=True)
-    return iter(grain.experimental.ThreadPrefetchIterDataset(batched, prefetch_buffer_size=prefetch))
+    prefetched = grain.experimental.ThreadPrefetchIterDataset(batched,
+                                                              prefetch_buffer_size=prefetch)
+    return iter(prefetched)
 
 
 def eval_batches(split: TokenizedSplit, *, maxlen: int, batch_size: int, packing: bool,

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import resource
@@ -160,11 +161,13 @@ class Experiment:
         return sampling.sample(self.model, self.state.params, self.tokenizer, prompts,
                                compute_dtype=self.compute_dtype, **kwargs)
 
+    @functools.cached_property
+    def eval_step(self) -> Any:
+        return training.make_eval_step(self.model, self.compute_dtype, self.mesh)
+
     def evaluate(self) -> tuple[float, float]:
         """Eval loss and perplexity over the whole held-out split."""
-        if not hasattr(self, "_eval_step"):
-            self._eval_step = training.make_eval_step(self.model, self.compute_dtype, self.mesh)
-        return training.evaluate(self._eval_step, self.state.params, self.eval_batches, self.mesh)
+        return training.evaluate(self.eval_step, self.state.params, self.eval_batches, self.mesh)
 
     def _record_eval(self, step: int, sink: MetricsSink) -> dict[str, Any]:
         loss, perplexity = self.evaluate()
@@ -305,8 +308,7 @@ def _initial_params(model: Any, checkpoint: models.ResolvedCheckpoint, config: T
     dummy = jnp.zeros((1, config.maxlen), jnp.int32)
     expected = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), dummy))["params"]
     if not checkpoint.path:
-        params = jax.jit(lambda key: model.init(key, dummy))(jax.random.key(config.seed))["params"]
-        return params
+        return models.init_params(model, seed=config.seed, sample_length=config.maxlen)
     loaded = checkpoints.load_params(checkpoint.path,
                                      text_only=models.PRESETS[config.model].multimodal)
     if jax.tree.structure(loaded) != jax.tree.structure(expected) or any(

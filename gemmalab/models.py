@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,60 @@ def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any) -> 
     from gemma import gm
 
     return gm.nn.Transformer(config=config, dtype=param_dtype)
+
+
+# For random init: which axes of each weight are contracted with the layer's input (its fan-in).
+_FAN_IN_AXES = {
+    "input_embedding": (1,),  # scaled by sqrt(embed_dim) on input; tied output projection
+    "q_einsum": (1,),  # [heads, embed, head_dim]
+    "kv_einsum": (2,),  # [2, kv_heads, embed, head_dim]
+    "qkv_einsum": (2,),  # [3, heads, embed, head_dim]
+    "attn_vec_einsum": (0, 1),  # [heads, head_dim, embed]
+    "linear": (0,),  # [hidden, embed]
+}
+_RESIDUAL_OUTPUTS = ("attn_vec_einsum", "linear")
+
+
+def init_params(model: gm.nn.Transformer, *, seed: int, sample_length: int) -> Any:
+    """Random weights for training from scratch, drawn with fan-in scaling.
+
+    gemma's modules draw every weight from N(0, 0.01), which suits loading checkpoints but
+    trains slowly from scratch (the tiny preset's eval loss after 40 steps: 5.0 vs 2.6 with this).
+    Weights get std 1/sqrt(fan_in); projections back into the residual stream are further
+    scaled by 1/sqrt(2 * num_layers); norm scales keep gemma's zeros (i.e. unit gain).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    config = model.config
+    # gating_einsum is [2, hidden, embed] when transposed (Gemma 3), else [2, embed, hidden].
+    gating_fan_in = 2 if config.transpose_gating_einsum else 1
+    depth_scale = 1.0 / math.sqrt(2 * config.num_layers)
+
+    def rescale(key: Any, path: Any, weight: Any) -> Any:
+        if weight.ndim < 2:
+            return weight
+        names = [getattr(entry, "key", "") for entry in path]
+        name = next((n for n in reversed(names) if n in _FAN_IN_AXES or n == "gating_einsum"),
+                    None)
+        if name is None:
+            raise ValueError(f"no fan-in rule for parameter {jax.tree_util.keystr(path)}")
+        axes = (gating_fan_in,) if name == "gating_einsum" else _FAN_IN_AXES[name]
+        std = 1.0 / math.sqrt(math.prod(weight.shape[a] for a in axes))
+        if name in _RESIDUAL_OUTPUTS:
+            std *= depth_scale
+        return (jax.random.normal(key, weight.shape, jnp.float32) * std).astype(weight.dtype)
+
+    @jax.jit
+    def draw(key: Any) -> Any:
+        init_key, rescale_key = jax.random.split(key)
+        params = model.init(init_key, jnp.zeros((1, sample_length), jnp.int32))["params"]
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        keys = jax.random.split(rescale_key, len(leaves))
+        new = [rescale(k, path, w) for k, (path, w) in zip(keys, leaves, strict=True)]
+        return jax.tree.unflatten(jax.tree.structure(params), new)
+
+    return draw(jax.random.key(seed))
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:

@@ -16,7 +16,8 @@ def format_summary(summary: dict) -> str:
     lines = [f"{name:>16}: {fmt.format(summary[a])} -> {fmt.format(summary[b])}"
              for name, a, b, fmt in HEADLINE]
     lines.append(f"{'throughput':>16}: {summary['useful_tokens_per_s']:,.0f} useful tokens/s "
-                 f"({summary['useful_token_share']:.1%} of {summary['tokens_per_s']:,.0f} tokens/s)")
+                 f"({summary['useful_token_share']:.1%} of "
+                 f"{summary['tokens_per_s']:,.0f} tokens/s)")
     lines.append(f"{'time':>16}: {summary['steps']} steps in {summary['train_seconds']:.1f} s")
     return "\n".join(lines)
 

@@ -107,7 +107,8 @@ def encode_stories(stories: list[str]) -> list[np.ndarray]:
 
 
 def load_tokenizer(spec: str, *, cache_dir: Path, training_stories: Iterable[str] | None,
-                   vocab_size: int, corpus_fingerprint: str) -> tuple[gm.text.Tokenizer, TokenizerInfo]:
+                   vocab_size: int, corpus_fingerprint: str
+                   ) -> tuple[gm.text.Tokenizer, TokenizerInfo]:
     """Resolve the ``tokenizer`` parameter to a gemma tokenizer and its model bytes.
 
     ``training_stories`` is only read (lazily) when a local tokenizer must be trained.

@@ -85,7 +85,7 @@ def make_train_step(model: Any, optimizer: optax.GradientTransformation,
         (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "useful_tokens": count, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, "useful_tokens": count, "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

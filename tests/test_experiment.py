@@ -1,5 +1,6 @@
 """A whole run on a small corpus, and every bad-input error the run must raise early."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -46,13 +47,15 @@ def test_a_run_learns_and_reports(finished_run):
 def test_outputs_on_disk(finished_run):
     experiment, summary, saved, _ = finished_run
     output = experiment.config.output_dir
-    records = [json.loads(line) for line in open(f"{output}/metrics.jsonl")]
+    with open(f"{output}/metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(1, 13))
     for record in records:
         assert {"step", "loss", "useful_tokens", "step_time_s", "learning_rate", "grad_norm",
                 "tokens", "data_wait_s", "tokens_per_s"} <= set(record)
         assert 0 < record["useful_tokens"] <= record["tokens"] == 8 * 64
-    on_disk = json.load(open(f"{output}/summary.json"))
+    with open(f"{output}/summary.json") as f:
+        on_disk = json.load(f)
     for key in ("initial_train_loss", "final_train_loss", "initial_eval_loss", "final_eval_loss",
                 "initial_eval_perplexity", "final_eval_perplexity", "useful_tokens_per_s",
                 "train_seconds", "params", "model_config"):
@@ -73,8 +76,8 @@ def test_saved_params_load_with_gemma_and_reproduce_eval(finished_run):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     rebuilt = models.build_model(models.config_from_dict(summary["model_config"]),
                                  param_dtype=np.float32)
-    experiment_copy = Experiment(**{**experiment.__dict__, "model": rebuilt})
-    experiment_copy.state = experiment.state.replace(params=loaded)
+    experiment_copy = dataclasses.replace(experiment, model=rebuilt,
+                                          state=experiment.state.replace(params=loaded))
     assert experiment_copy.evaluate()[0] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
 
 
