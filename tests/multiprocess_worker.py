@@ -1,0 +1,48 @@
+"""One process of a real multi-process JAX run on localhost (started by test_multiprocess.py).
+
+usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DATA_PATH WORK_DIR
+"""
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    process_id, num_processes, port = (int(x) for x in sys.argv[1:4])
+    data_path, work_dir = sys.argv[4:6]
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                               num_processes=num_processes, process_id=process_id)
+
+    from gemmalab.config import TrainConfig
+    from gemmalab.experiment import Experiment
+
+    config = TrainConfig(
+        data_path=data_path, cache_dir=f"{work_dir}/cache{process_id}",  # one cache per "host"
+        output_dir=f"{work_dir}/run", batch_size=8, maxlen=64, max_steps=6, eval_every=3,
+        tokenizer_vocab_size=600, tokenize_workers=1, seed=5)
+    experiment = Experiment.prepare(config)
+    summary = experiment.train(progress=False)
+    saved = experiment.save()
+    result = {
+        "process": jax.process_index(),
+        "devices": jax.device_count(),
+        "local_devices": jax.local_device_count(),
+        "train_docs": experiment.data_stats["train_docs"],
+        "eval_docs": experiment.data_stats["eval_docs"],
+        "tokenizer": experiment.tokenizer_info.fingerprint,
+        "losses": [r["loss"] for r in experiment.history],
+        "final_eval_loss": summary["final_eval_loss"],
+        "initial_eval_loss": summary["initial_eval_loss"],
+        "saved": saved,
+    }
+    with open(f"{work_dir}/result{process_id}.json", "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Two real JAX processes (jax.distributed over gloo on localhost), as on two TPU hosts."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gemmalab import data
+
+WORKER = Path(__file__).with_name("multiprocess_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_global_batch(tmp_path, stories_file):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    workers = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port),
+                                 str(stories_file), str(tmp_path)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for i in range(2)]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
+    for worker, output in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, output[-3000:]
+    results = [json.loads((tmp_path / f"result{i}.json").read_text()) for i in range(2)]
+
+    assert [r["devices"] for r in results] == [4, 4]
+    assert [r["local_devices"] for r in results] == [2, 2]
+    # Each process tokenized only its own shard; together they are the whole train split.
+    total = sum(1 for _ in data.iter_stories(str(stories_file)))
+    eval_docs = results[0]["eval_docs"]
+    assert results[1]["eval_docs"] == eval_docs
+    assert results[0]["train_docs"] + results[1]["train_docs"] == total - eval_docs
+    assert abs(results[0]["train_docs"] - results[1]["train_docs"]) <= 1
+    # One tokenizer (trained once, shared), one model: identical global metrics everywhere.
+    assert results[0]["tokenizer"] == results[1]["tokenizer"]
+    assert results[0]["losses"] == results[1]["losses"]
+    assert len(results[0]["losses"]) == 6
+    assert results[0]["final_eval_loss"] == results[1]["final_eval_loss"]
+    assert results[0]["final_eval_loss"] < results[0]["initial_eval_loss"]
+    # Only process 0 wrote metrics; the Orbax save is collective and loadable.
+    run = tmp_path / "run"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 6
+    assert (run / "summary.json").exists()
+    from gemma import gm
+
+    params = gm.ckpts.load_params(results[0]["saved"])
+    assert params["embedder"]["input_embedding"].shape[0] == 600
