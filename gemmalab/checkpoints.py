@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gemmalab import storage
+from gemmalab import gemma_lib, storage
 
 
 def _absolute(path: str) -> str:
@@ -30,6 +30,6 @@ def save_params(params: Any, path: str) -> str:
 
 def load_params(path: str, *, text_only: bool = False) -> Any:
     """Read params written by ``save_params`` or published by Google (``gm.ckpts``)."""
-    from gemma import gm
+    gm = gemma_lib.gm()
 
     return gm.ckpts.load_params(_absolute(path), text_only=text_only)

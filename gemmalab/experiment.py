@@ -210,6 +210,17 @@ class Experiment:
             if step % cfg.log_every == 0:
                 sink.flush()
 
+        def report(step: int, evaluation: dict[str, Any]) -> None:
+            # Plain lines as well as the bar: headless runs (papermill, kubectl logs) see these.
+            recent = self.history[-cfg.log_every:]
+            if self.is_main_process and recent:
+                bar.write(f"step {step}/{self.total_steps}: "
+                          f"train loss {np.mean([r['loss'] for r in recent]):.3f}, "
+                          f"eval loss {evaluation['eval_loss']:.3f} "
+                          f"(perplexity {evaluation['eval_perplexity']:.2f}), "
+                          f"{np.mean([r['useful_tokens_per_s'] for r in recent]):,.0f} "
+                          "useful tokens/s")
+
         for step in range(1, self.total_steps + 1):
             wait_started = time.perf_counter()
             batch = mesh.global_batch(next(self.train_iterator), self.mesh)
@@ -222,13 +233,14 @@ class Experiment:
                 finish(*pending)
                 pending = None
                 record = self._record_eval(step, sink)
-                bar.set_postfix(eval_loss=f"{record['eval_loss']:.3f}", refresh=False)
+                report(step, record)
                 last_done = time.perf_counter()  # eval time is not a train step's time
         if pending is not None:
             finish(*pending)
         train_seconds = time.perf_counter() - started
-        bar.close()
         final_eval = self._record_eval(self.total_steps, sink)
+        report(self.total_steps, final_eval)
+        bar.close()
         self.summary = self._summary(initial_eval, final_eval, train_seconds)
         sink.write_json("summary.json", self.summary)
         sink.close()

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gemmalab import storage
+from gemmalab import gemma_lib, storage
 from gemmalab.config import PRESET_NAMES
 from gemmalab.errors import ConfigError
 
@@ -56,7 +56,7 @@ TINY_NUM_LAYERS = 6
 
 def model_config(preset_name: str, vocab_size: int) -> gm.nn.config.TransformerConfig:
     """The resolved gemma ``TransformerConfig`` (text-only) for a preset."""
-    from gemma import gm
+    gm = gemma_lib.gm()
     from gemma.gm.nn import _config
     from gemma.gm.nn._gemma import GEMMA3_ATTENTION_PATTERN
 
@@ -72,7 +72,7 @@ def model_config(preset_name: str, vocab_size: int) -> gm.nn.config.TransformerC
 
 def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any) -> gm.nn.Transformer:
     """A gemma Transformer for ``config`` whose ``init`` creates ``param_dtype`` weights."""
-    from gemma import gm
+    gm = gemma_lib.gm()
 
     return gm.nn.Transformer(config=config, dtype=param_dtype)
 
@@ -148,6 +148,7 @@ def config_to_dict(config: Any) -> dict[str, Any]:
 
 def config_from_dict(values: dict[str, Any]) -> gm.nn.config.TransformerConfig:
     """Rebuild the exact ``TransformerConfig`` that ``config_to_dict`` wrote."""
+    gemma_lib.gm()
     from gemma.gm.nn import _config, _modules
 
     values = dict(values)
@@ -179,7 +180,7 @@ def resolve_checkpoint(spec: str, preset_name: str) -> ResolvedCheckpoint:
     """``checkpoint``: a CheckpointPath name, a local or gs:// Orbax directory, or ''."""
     if not spec:
         return ResolvedCheckpoint("", "random init")
-    from gemma import gm
+    gm = gemma_lib.gm()
 
     names = [m.name for m in gm.ckpts.CheckpointPath]
     preset = PRESETS[preset_name]

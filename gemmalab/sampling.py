@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from gemmalab import gemma_lib
+
 SAMPLER_CACHE_LENGTH = 1024
 
 
@@ -18,7 +20,7 @@ def sample(model: Any, params: Any, tokenizer: Any, prompts: str | list[str], *,
     The returned text is exactly what follows the prompt, so ``prompt + text`` reads right
     (SentencePiece drops the leading space of a decoded word; it is restored here).
     """
-    from gemma import gm
+    gm = gemma_lib.gm()
 
     if compute_dtype is not None:
         params = jax.tree.map(lambda p: p.astype(compute_dtype), params)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gemmalab import storage
+from gemmalab import gemma_lib, storage
 from gemmalab.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ def _training_lines(stories: Iterable[str]) -> Iterator[str]:
 
 
 def _load_gemma3() -> tuple[gm.text.Tokenizer, TokenizerInfo]:
-    from gemma import gm
+    gm = gemma_lib.gm()
     from gemma.gm.utils import _file_cache
 
     tok = gm.text.Gemma3Tokenizer()
@@ -227,7 +227,7 @@ def _wrap_file(path: str, *, name: str) -> tuple[gm.text.Tokenizer, TokenizerInf
 @functools.cache
 def _gemma_tokenizer_classes() -> tuple[type, type]:
     """The gemma tokenizer classes for the local layout and for Gemma 3 files given by path."""
-    from gemma import gm
+    gm = gemma_lib.gm()
     from gemma.gm.text import _tokenizer
 
     local_tokens = _tokenizer.SpecialTokens("LocalSpecialTokens", LOCAL_SPECIAL_IDS)
