@@ -143,3 +143,59 @@ def test_evaluate_counts_every_real_target():
     expected = sum(float(t) for t, _ in totals) / sum(float(n) for _, n in totals)
     assert loss == pytest.approx(expected, rel=1e-5)
     assert perplexity == pytest.approx(math.exp(expected), rel=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_chunked_loss_equals_the_full_loss_and_its_gradient(softcap):
+    rng = np.random.default_rng(1)
+    hidden = jnp.asarray(rng.normal(size=(3, 10, 8)), jnp.float32)
+    table = jnp.asarray(rng.normal(size=(50, 8)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 50, size=(3, 10)))
+    mask = jnp.asarray(rng.random((3, 10)) > 0.3)
+
+    def full(h, e):
+        logits = h @ e.T
+        if softcap is not None:
+            logits = jnp.tanh(logits / softcap) * softcap
+        total, _ = training.masked_cross_entropy(logits, targets, mask)
+        return total
+
+    def chunked(h, e):  # 7 tokens per chunk: 5 chunks, the last one padded
+        return training.chunked_cross_entropy(h, e, targets, mask, softcap=softcap,
+                                              max_logits=7 * 50)[0]
+
+    assert float(chunked(hidden, table)) == pytest.approx(float(full(hidden, table)), rel=1e-5)
+    for a, b in zip(jax.grad(chunked, (0, 1))(hidden, table), jax.grad(full, (0, 1))(hidden, table),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_loss_never_holds_all_logits():
+    """Chunking saves at least one fp32 copy of the batch's logits in the compiled step."""
+    vocab, rows, maxlen = 32_768, 8, 256
+    config = models.model_config("gemma3-tiny", vocab)
+    model = models.build_model(config, param_dtype=jnp.float32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                               jnp.zeros((1, maxlen), jnp.int32)))["params"]
+    batch = {k: jax.ShapeDtypeStruct((rows, maxlen), jnp.int32)
+             for k in ("tokens", "targets", "segment_ids", "positions")}
+
+    def full(p, b):
+        output = model.apply({"params": p}, b["tokens"], positions=b["positions"],
+                             attention_mask=training.attention_mask(b["segment_ids"]))
+        return training.masked_cross_entropy(output.logits, b["targets"], b["segment_ids"] > 0)[0]
+
+    def chunked(p, b):
+        return training.forward_loss(model, p, b, jnp.float32)[0]
+
+    def temp_bytes(loss):
+        return jax.jit(jax.grad(loss)).lower(params, batch).compile().memory_analysis(
+        ).temp_size_in_bytes
+
+    default = training.LOSS_CHUNK_LOGITS
+    try:
+        training.LOSS_CHUNK_LOGITS = 256 * vocab  # 8 chunks of 256 tokens
+        saved = temp_bytes(full) - temp_bytes(chunked)
+    finally:
+        training.LOSS_CHUNK_LOGITS = default
+    assert saved > rows * maxlen * vocab * 4
