@@ -379,7 +379,7 @@ def _from_packed(packed: dict[str, np.ndarray]) -> Batch:
     }
 
 
-def _rows(windows: Any, *, maxlen: int, packing: bool, num_bins: int, seed: int,
+def rows_dataset(windows: Any, *, maxlen: int, packing: bool, num_bins: int, seed: int,
           shuffle_bins: bool) -> Any:
     """A grain IterDataset of rows from a grain dataset of windows."""
     import grain
@@ -401,7 +401,7 @@ def train_batches(split: TokenizedSplit, *, maxlen: int, rows_per_process: int, 
     import grain
 
     windows = grain.MapDataset.source(WindowSource(split, maxlen)).shuffle(seed=seed).repeat(None)
-    rows = _rows(windows.to_iter_dataset(), maxlen=maxlen, packing=packing,
+    rows = rows_dataset(windows.to_iter_dataset(), maxlen=maxlen, packing=packing,
                  num_bins=max(rows_per_process, PACKING_BINS), seed=seed, shuffle_bins=True)
     batched = rows.batch(rows_per_process, drop_remainder=True)
     prefetched = grain.experimental.ThreadPrefetchIterDataset(batched,
@@ -419,7 +419,7 @@ def eval_batches(split: TokenizedSplit, *, maxlen: int, batch_size: int, packing
     import grain
 
     windows = grain.MapDataset.source(WindowSource(split, maxlen)).to_iter_dataset()
-    rows = list(_rows(windows, maxlen=maxlen, packing=packing, num_bins=64, seed=0,
+    rows = list(rows_dataset(windows, maxlen=maxlen, packing=packing, num_bins=64, seed=0,
                       shuffle_bins=False))
     if not rows:
         return []

@@ -90,21 +90,10 @@ class Experiment:
         if storage.is_gcs(config.output_dir):
             storage.require_gcs_credentials("output_dir", config.output_dir)
         checkpoint = models.resolve_checkpoint(config.checkpoint, config.model)
-        cache_dir = config.resolved_cache_dir
-        corpus = data.resolve_corpus(config.data_path, cache_dir=cache_dir,
-                                     embedded_stories=config.embedded_stories, seed=config.seed)
-        rule = data.SplitRule(config.eval_fraction, config.max_eval_stories,
-                              jax.process_index(), jax.process_count())
-        tokenizer, info = _load_tokenizer_everywhere(config, corpus, rule)
-        model_config = models.model_config(config.model, info.vocab_size)
-        if info.vocab_size > model_config.num_embed:
-            raise ConfigError("tokenizer", f"its vocabulary ({info.vocab_size}) is larger than "
-                              f"{config.model}'s embedding ({model_config.num_embed})",
-                              "use the model's own tokenizer ('gemma3') or model='gemma3-tiny'")
-
-        cache = data.load_or_build_token_cache(
-            corpus, info, rule=rule, datacount=config.datacount, cache_dir=cache_dir,
-            workers=config.tokenize_workers)
+        prepared = prepare_data(config)
+        cache, corpus, info, tokenizer = (prepared.cache, prepared.corpus, prepared.tokenizer_info,
+                                          prepared.tokenizer)
+        model_config = prepared.model_config
         windows = data.WindowSource(cache.train, config.maxlen)
         local = np.asarray([windows.num_targets, len(windows)], np.int64)
         if jax.process_count() > 1:
@@ -162,6 +151,16 @@ class Experiment:
                                compute_dtype=self.compute_dtype, **kwargs)
 
     @functools.cached_property
+    def train_step(self) -> Any:
+        """The jit-compiled, state-donating step: ``state, metrics = train_step(state, batch)``."""
+        return training.make_train_step(self.model, self.optimizer, self.schedule,
+                                        self.compute_dtype, self.mesh)
+
+    def next_batch(self) -> dict[str, Any]:
+        """The next global batch, placed on the mesh (this process supplies its rows)."""
+        return mesh.global_batch(next(self.train_iterator), self.mesh)
+
+    @functools.cached_property
     def eval_step(self) -> Any:
         return training.make_eval_step(self.model, self.compute_dtype, self.mesh)
 
@@ -182,8 +181,7 @@ class Experiment:
 
         cfg = self.config
         sink = MetricsSink(cfg.output_dir, enabled=self.is_main_process)
-        train_step = training.make_train_step(self.model, self.optimizer, self.schedule,
-                                              self.compute_dtype, self.mesh)
+        train_step = self.train_step
         initial_eval = self._record_eval(0, sink)
         tokens_per_step = cfg.batch_size * cfg.maxlen
         bar = tqdm(total=self.total_steps, desc="train", unit="step",
@@ -223,7 +221,7 @@ class Experiment:
 
         for step in range(1, self.total_steps + 1):
             wait_started = time.perf_counter()
-            batch = mesh.global_batch(next(self.train_iterator), self.mesh)
+            batch = self.next_batch()
             data_wait = time.perf_counter() - wait_started
             self.state, metrics = train_step(self.state, batch)
             if pending is not None:
@@ -283,6 +281,41 @@ class Experiment:
     def save(self) -> str:
         """Write the final (master-dtype) params to ``output_dir/params``; every process calls."""
         return checkpoints.save_params(self.state.params, f"{self.config.output_dir}/params")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedData:
+    """Corpus, tokenizer and token cache for a config: shared by training, data prep, sampling."""
+
+    corpus: data.Corpus
+    tokenizer: Any
+    tokenizer_info: Any
+    cache: data.TokenCache
+    model_config: Any
+
+
+def prepare_data(config: TrainConfig) -> PreparedData:
+    """Validate the data and tokenizer parameters, then load or build the token cache.
+
+    A second call with the same data parameters (e.g. data_prep.ipynb then train.ipynb) reuses
+    the cached tokenizer and tokens.
+    """
+    cache_dir = config.resolved_cache_dir
+    corpus = data.resolve_corpus(config.data_path, cache_dir=cache_dir,
+                                 embedded_stories=config.embedded_stories, seed=config.seed)
+    rule = data.SplitRule(config.eval_fraction, config.max_eval_stories,
+                          jax.process_index(), jax.process_count())
+    tokenizer, info = _load_tokenizer_everywhere(config, corpus, rule)
+    model_config = models.model_config(config.model, info.vocab_size)
+    if info.vocab_size > model_config.num_embed:
+        raise ConfigError("tokenizer", f"its vocabulary ({info.vocab_size}) is larger than "
+                          f"{config.model}'s embedding ({model_config.num_embed})",
+                          "use the model's own tokenizer ('gemma3') or model='gemma3-tiny'")
+    cache = data.load_or_build_token_cache(
+        corpus, info, rule=rule, datacount=config.datacount, cache_dir=cache_dir,
+        workers=config.tokenize_workers)
+    return PreparedData(corpus=corpus, tokenizer=tokenizer, tokenizer_info=info, cache=cache,
+                        model_config=model_config)
 
 
 def _load_tokenizer_everywhere(config: TrainConfig, corpus: data.Corpus, rule: data.SplitRule

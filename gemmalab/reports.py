@@ -17,13 +17,13 @@ def summary_table(summary: dict[str, Any]) -> Any:
     import pandas as pd
 
     rows = {k: summary[k] for k in SUMMARY_ROWS if k in summary}
-    return pd.DataFrame({"value": rows}).rename_axis("metric")
+    return pd.DataFrame({"value": pd.Series(rows, dtype=object)}).rename_axis("metric")
 
 
 def data_table(stats: dict[str, Any]) -> Any:
     import pandas as pd
 
-    return pd.DataFrame({"value": stats}).rename_axis("data")
+    return pd.DataFrame({"value": pd.Series(stats, dtype=object)}).rename_axis("data")
 
 
 def samples_table(prompt: str, before: str, after: str) -> Any:

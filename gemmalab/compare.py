@@ -1,0 +1,136 @@
+"""Base vs fine-tuned: samples side by side and held-out perplexity (sample_compare.ipynb)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gemmalab import checkpoints, data, gemma_lib, mesh, models, sampling, storage, training
+from gemmalab.config import TrainConfig
+from gemmalab.errors import ConfigError
+from gemmalab.experiment import PreparedData, prepare_data
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """A named set of weights for one model architecture."""
+
+    name: str
+    params: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a finished training run left in its ``output_dir``."""
+
+    output_dir: str
+    config: TrainConfig
+    summary: dict[str, Any]
+    model: Any
+    data: PreparedData
+
+
+def load_run(output_dir: str) -> Run:
+    """Rebuild a run's config, model and data (tokenizer, eval split) from ``summary.json``."""
+    path = f"{output_dir}/summary.json"
+    if not storage.exists(path):
+        raise ConfigError("finetuned", f"no summary.json in {output_dir}",
+                          "run notebooks/train.ipynb with this output_dir first")
+    summary = json.loads(storage.read_bytes(path))
+    config = TrainConfig.from_dict(summary["params"])
+    prepared = prepare_data(config)
+    model = models.build_model(models.config_from_dict(summary["model_config"]),
+                               param_dtype=jnp.dtype(config.param_dtype))
+    return Run(output_dir=output_dir, config=config, summary=summary, model=model, data=prepared)
+
+
+def finetuned_params(run: Run) -> Contender:
+    return Contender("fine-tuned", checkpoints.load_params(f"{run.output_dir}/params"))
+
+
+def base_params(run: Run, checkpoint: str = "run") -> Contender:
+    """The weights the run started from (``"run"``), or any other checkpoint spec ('' = init)."""
+    spec = run.config.checkpoint if checkpoint == "run" else checkpoint
+    resolved = models.resolve_checkpoint(spec, run.config.model)
+    if not resolved.path:
+        params = models.init_params(run.model, seed=run.config.seed,
+                                    sample_length=run.config.maxlen)
+        return Contender("base (random init)", params)
+    multimodal = models.PRESETS[run.config.model].multimodal
+    params = checkpoints.load_params(resolved.path, text_only=multimodal)
+    return Contender(f"base ({resolved.name})", params)
+
+
+def samples_table(run: Run, contenders: list[Contender], prompts: list[str], *,
+                  max_new_tokens: int, temperature: float, top_p: float, seed: int,
+                  chat: bool = False) -> Any:
+    """Continuations of every prompt by every contender, greedy and top-p (pandas)."""
+    import pandas as pd
+
+    methods = {"greedy": {"temperature": 0.0},
+               f"top-p {top_p} T={temperature}": {"temperature": temperature, "top_p": top_p}}
+    compute = jnp.dtype(run.config.compute_dtype)
+    rows = []
+    for contender in contenders:
+        for method, settings in methods.items():
+            texts = (chat_replies(run, contender, prompts, max_new_tokens=max_new_tokens,
+                                  seed=seed, **settings) if chat
+                     else sampling.sample(run.model, contender.params, run.data.tokenizer,
+                                          list(prompts), max_new_tokens=max_new_tokens,
+                                          compute_dtype=compute, seed=seed, **settings))
+            for prompt, text in zip(prompts, texts, strict=True):
+                rows.append({"prompt": prompt, "sampling": method, "model": contender.name,
+                             "continuation": text})
+    table = pd.DataFrame(rows)
+    return table.pivot(index=["prompt", "sampling"], columns="model", values="continuation")
+
+
+def chat_replies(run: Run, contender: Contender, prompts: list[str], *, max_new_tokens: int,
+                 seed: int, temperature: float = 0.0, top_p: float = 1.0) -> list[str]:
+    """Single-turn replies through gemma's chat template (for instruction-tuned checkpoints)."""
+    gm = gemma_lib.gm()
+    sampling_method = (gm.text.Greedy() if temperature == 0.0
+                       else gm.text.TopPSampling(p=top_p, temperature=temperature))
+    params = jax.tree.map(lambda p: p.astype(run.config.compute_dtype), contender.params)
+    sampler = gm.text.ChatSampler(model=run.model, params=params, tokenizer=run.data.tokenizer,
+                                  sampling=sampling_method, multi_turn=False,
+                                  cache_length=sampling.SAMPLER_CACHE_LENGTH,
+                                  max_out_length=max_new_tokens)
+    return [sampler.chat(prompt, rng=seed) for prompt in prompts]
+
+
+def perplexity_table(run: Run, contenders: list[Contender]) -> Any:
+    """Held-out (eval split) loss and perplexity under each contender (pandas)."""
+    import pandas as pd
+
+    device_mesh = mesh.make_mesh()
+    batch_size = run.config.batch_size
+    mesh.check_batch_size(batch_size, device_mesh)
+    batches = data.eval_batches(run.data.cache.eval, maxlen=run.config.maxlen,
+                                batch_size=batch_size, packing=run.config.packing,
+                                process_index=jax.process_index(),
+                                process_count=jax.process_count())
+    step = training.make_eval_step(run.model, jnp.dtype(run.config.compute_dtype), device_mesh)
+    rows = []
+    for contender in contenders:
+        params = jax.device_put(contender.params, mesh.replicated(device_mesh))
+        loss, perplexity = training.evaluate(step, params, batches, device_mesh)
+        rows.append({"model": contender.name, "eval loss": loss, "perplexity": perplexity})
+    return pd.DataFrame(rows).set_index("model")
+
+
+def perplexity_figure(table: Any) -> Any:
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5, 3))
+    axis.bar(table.index, table["perplexity"], color=["tab:gray", "tab:green"][: len(table)])
+    axis.set_yscale("log")
+    axis.set_ylabel("held-out perplexity (log scale)")
+    for i, value in enumerate(table["perplexity"]):
+        axis.annotate(f"{value:.2f}", (i, value), ha="center", va="bottom")
+    figure.tight_layout()
+    return figure
