@@ -15,12 +15,14 @@ export TF_CPP_MIN_LOG_LEVEL := 3
 
 DEMO_DIR ?= runs/demo
 
-.PHONY: help env demo test lint lock notebook-test clean
+.PHONY: help env demo test lint lock notebooks lab clean
 
 help:
 	@echo "make demo   - set up, then fine-tune offline on the embedded corpus (notebooks/train.ipynb)"
 	@echo "make test   - set up, then run the test suite"
 	@echo "make lint   - ruff"
+	@echo "make notebooks - re-execute the nbval regression copies in tests/notebooks/"
+	@echo "make lab    - JupyterLab on notebooks/ with the project's kernel registered"
 	@echo "make lock   - re-resolve uv.lock and requirements.txt after editing pyproject.toml"
 
 # uv comes from the package registry into a private venv; the project env comes from uv.lock.
@@ -40,8 +42,34 @@ demo: $(STAMP)
 		-p output_dir $(DEMO_DIR) --log-output --no-progress-bar
 	@$(VENV)/bin/python -m gemmalab.summary $(DEMO_DIR)/summary.json
 
+# nbval regression copies: each notebook executed at small parameters, in dependency order
+# (data prep builds the token cache, train writes the run that sample_compare and profile read).
+NBVAL_DIR := tests/notebooks
+NBVAL_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8
+NBVAL_DATA := -p embedded_stories 300 -p tokenizer_vocab_size 600 -p cache_dir nbval-cache \
+	-p maxlen 64
+PAPERMILL := $(NBVAL_ENV) $(VENV)/bin/papermill --cwd $(NBVAL_DIR) --no-progress-bar
+
 test: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(NBVAL_ENV) $(VENV)/bin/pytest -q -p no:cacheprovider --nbval \
+		--nbval-sanitize-with $(NBVAL_DIR)/sanitize.cfg tests
+
+notebooks: $(STAMP)
+	rm -rf $(NBVAL_DIR)/nbval-cache $(NBVAL_DIR)/nbval-run $(NBVAL_DIR)/nbval-profile
+	$(PAPERMILL) notebooks/data_prep.ipynb $(NBVAL_DIR)/1_data_prep.ipynb $(NBVAL_DATA) \
+		-y '{compare_maxlens: [32, 64, 128]}'
+	$(PAPERMILL) notebooks/train.ipynb $(NBVAL_DIR)/2_train.ipynb $(NBVAL_DATA) \
+		-p batch_size 8 -p max_steps 20 -p eval_every 10 -p output_dir nbval-run \
+		-p max_new_tokens 24
+	$(PAPERMILL) notebooks/sample_compare.ipynb $(NBVAL_DIR)/3_sample_compare.ipynb \
+		-p finetuned nbval-run -p max_new_tokens 16
+	$(PAPERMILL) notebooks/profile.ipynb $(NBVAL_DIR)/4_profile.ipynb $(NBVAL_DATA) \
+		-p batch_size 8 -p profile_dir nbval-profile -p warmup_steps 2 -p profile_steps 3
+
+lab: $(STAMP)
+	$(VENV)/bin/python -m ipykernel install --sys-prefix --name gemmalab \
+		--display-name "Python 3.12 (gemmalab)"
+	$(VENV)/bin/jupyter lab --notebook-dir notebooks
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
