@@ -1,0 +1,56 @@
+import pytest
+from conftest import PROMPT
+
+from gemmalab import compare
+from gemmalab.config import TrainConfig
+from gemmalab.errors import ConfigError
+from gemmalab.experiment import Experiment
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, cache_dir, stories_file):
+    output_dir = tmp_path_factory.mktemp("compare") / "run"
+    config = TrainConfig(data_path=str(stories_file), cache_dir=str(cache_dir),
+                         output_dir=str(output_dir), batch_size=8, maxlen=64, max_steps=8,
+                         eval_every=0, tokenizer_vocab_size=600, tokenize_workers=1, seed=4)
+    experiment = Experiment.prepare(config)
+    summary = experiment.train(progress=False)
+    experiment.save()
+    return compare.load_run(str(output_dir)), summary
+
+
+def test_load_run_rebuilds_the_run(run):
+    loaded, summary = run
+    assert loaded.config.seed == 4 and loaded.summary["steps"] == summary["steps"] == 8
+    assert loaded.model.config.num_embed == 600
+
+
+def test_perplexity_before_and_after(run):
+    loaded, summary = run
+    contenders = [compare.base_params(loaded), compare.finetuned_params(loaded)]
+    assert contenders[0].name == "base (random init)"
+    table = compare.perplexity_table(loaded, contenders)
+    # The base is the run's own initialisation: same numbers as the run measured.
+    assert table.loc["base (random init)", "eval loss"] == pytest.approx(
+        summary["initial_eval_loss"], rel=1e-5)
+    assert table.loc["fine-tuned", "eval loss"] == pytest.approx(summary["final_eval_loss"],
+                                                                  rel=1e-5)
+    compare.perplexity_figure(table)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_samples_side_by_side(run, chat):
+    loaded, _ = run
+    contenders = [compare.base_params(loaded), compare.finetuned_params(loaded)]
+    table = compare.samples_table(loaded, contenders, [PROMPT, "Tom had a"], max_new_tokens=6,
+                                  temperature=0.8, top_p=0.9, seed=1, chat=chat)
+    assert list(table.columns) == ["base (random init)", "fine-tuned"]
+    assert len(table) == 4  # 2 prompts x (greedy, top-p)
+    again = compare.samples_table(loaded, contenders, [PROMPT, "Tom had a"], max_new_tokens=6,
+                                  temperature=0.8, top_p=0.9, seed=1, chat=chat)
+    assert table.equals(again)  # fixed seed: reproducible
+
+
+def test_missing_run(tmp_path):
+    with pytest.raises(ConfigError, match="^finetuned: no summary.json"):
+        compare.load_run(str(tmp_path))
