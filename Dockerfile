@@ -1,0 +1,85 @@
+# syntax=docker/dockerfile:1
+# gemmalab images: the package, its locked dependencies and the notebooks, run by papermill in a
+# Kubernetes Job/JobSet or by JupyterHub as a notebook server (see k8s/README.md).
+#
+#   docker build --target tpu -t us-east5-docker.pkg.dev/PROJECT/gemmalab/gemmalab-tpu:0.1.0 .
+#   docker build --target gpu -t us-east5-docker.pkg.dev/PROJECT/gemmalab/gemmalab-gpu:0.1.0 .
+#   docker build --target cpu -t gemmalab-cpu . && docker run --rm gemmalab-cpu   # local check
+#
+# Every Python package comes from uv.lock (`uv sync --frozen`). Only the accelerator runtime
+# (libtpu, or the CUDA plugin) and jupyterhub's single-user server are added on top, constrained
+# by requirements.txt (the lock's export) so that nothing locked can move.
+
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS python
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+# ---- build stages: uv and the sources stay here -------------------------------------------------
+FROM python AS builder
+ARG UV_VERSION=0.13.9
+ENV UV_PROJECT_ENVIRONMENT=/opt/venv \
+    UV_PYTHON_DOWNLOADS=never \
+    UV_COMPILE_BYTECODE=1 \
+    UV_LINK_MODE=copy \
+    UV_NO_CACHE=1
+RUN pip install --no-cache-dir "uv==${UV_VERSION}"
+WORKDIR /src
+COPY pyproject.toml uv.lock requirements.txt README.md ./
+# Locked dependencies first (a cached layer while only gemmalab changes), then gemmalab itself.
+RUN uv sync --frozen --no-dev --no-install-project --python /usr/local/bin/python3.12
+COPY gemmalab/ gemmalab/
+RUN uv sync --frozen --no-dev --no-editable --python /usr/local/bin/python3.12
+# JupyterHub starts `jupyterhub-singleuser` in notebook servers: same version as the chart's hub
+# (zero-to-jupyterhub 4.4.0 runs JupyterHub 5.5.0).
+ARG JUPYTERHUB_VERSION=5.5.0
+RUN uv pip install --python /opt/venv/bin/python --constraint requirements.txt \
+        "jupyterhub==${JUPYTERHUB_VERSION}"
+
+FROM builder AS builder-tpu
+# jax[tpu] at the locked jax version adds libtpu (the TPU runtime); jax/jaxlib stay as locked.
+ARG JAX_VERSION=0.12.0.1
+ARG LIBTPU_VERSION=0.0.50.1
+RUN uv pip install --python /opt/venv/bin/python --constraint requirements.txt \
+        --find-links https://storage.googleapis.com/jax-releases/libtpu_releases.html \
+        "jax[tpu]==${JAX_VERSION}" "libtpu==${LIBTPU_VERSION}"
+
+FROM builder AS builder-gpu
+ARG JAX_VERSION=0.12.0.1
+RUN uv pip install --python /opt/venv/bin/python --constraint requirements.txt \
+        "jax[cuda12]==${JAX_VERSION}"
+
+# ---- runtime: no uv, no pip, no compiler; a non-root user ---------------------------------------
+FROM python AS runtime
+RUN groupadd --gid 1000 gemmalab \
+ && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/gemmalab --shell /bin/bash \
+        gemmalab \
+ && python -m pip uninstall --yes pip
+ENV HOME=/home/gemmalab \
+    GEMMALAB_CACHE_DIR=/home/gemmalab/.cache/gemmalab \
+    TF_CPP_MIN_LOG_LEVEL=3
+WORKDIR /app
+COPY notebooks/ notebooks/
+
+# A short offline run of the training notebook: `docker run --rm gemmalab-cpu`.
+FROM runtime AS cpu
+COPY --from=builder /opt/venv /opt/venv
+ENV JAX_PLATFORMS=cpu
+USER 1000:1000
+CMD ["papermill", "notebooks/train.ipynb", "/tmp/train.ipynb", "-p", "output_dir", "/tmp/run", \
+     "-p", "max_steps", "20", "-p", "embedded_stories", "2000", "--log-output", \
+     "--no-progress-bar"]
+
+FROM runtime AS gpu
+COPY --from=builder-gpu /opt/venv /opt/venv
+USER 1000:1000
+CMD ["papermill", "--help"]
+
+# The default target (last stage): the image of k8s/*.yaml and of the JupyterHub servers.
+FROM runtime AS tpu
+COPY --from=builder-tpu /opt/venv /opt/venv
+USER 1000:1000
+CMD ["papermill", "--help"]

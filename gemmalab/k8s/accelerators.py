@@ -1,0 +1,178 @@
+"""TPU and GPU shapes on GKE: what a generation and topology mean in chips, hosts and labels.
+
+Everything here is a pure function of a few strings; nothing imports ``kubernetes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from gemmalab.errors import ConfigError, require
+
+TPU_RESOURCE = "google.com/tpu"
+GPU_RESOURCE = "nvidia.com/gpu"
+TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+GPU_ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostResources:
+    """CPU and memory the training container asks for on one host (requests = limits).
+
+    About three quarters of the machine: the rest is left to the kubelet's reservation, the
+    GKE daemons (metadata server, logging, the TPU/GPU device plugin) and the GCS FUSE sidecar.
+    """
+
+    cpu: str
+    memory: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGeneration:
+    name: str
+    accelerator: str  # value of the cloud.google.com/gke-tpu-accelerator node label
+    machine_family: str  # machine type without the "-<chips>t" suffix
+    topologies: tuple[str, ...]
+    resources: dict[int, HostResources]  # keyed by chips per host
+
+
+# Topologies GKE offers per generation (docs: "Plan TPUs in GKE"). v5e and v6e are 2-D
+# (single host up to 2x4 with the 8-chip machine type, 4 chips per host beyond), v5p is 3-D
+# with 4 chips per host.
+TPU_GENERATIONS: dict[str, TpuGeneration] = {
+    "v5e": TpuGeneration(
+        name="v5e",
+        accelerator="tpu-v5-lite-podslice",
+        machine_family="ct5lp-hightpu",
+        topologies=("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+        # ct5lp-hightpu-1t: 24 vCPU / 48 GB; -4t: 112 / 192 GB; -8t: 224 / 384 GB.
+        resources={1: HostResources("18", "34Gi"), 4: HostResources("84", "140Gi"),
+                   8: HostResources("168", "280Gi")},
+    ),
+    "v5p": TpuGeneration(
+        name="v5p",
+        accelerator="tpu-v5p-slice",
+        machine_family="ct5p-hightpu",
+        topologies=("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8",
+                    "8x8x16", "8x16x16", "16x16x16", "16x16x24"),
+        # ct5p-hightpu-4t: 208 vCPU / 448 GB.
+        resources={4: HostResources("156", "330Gi")},
+    ),
+    "v6e": TpuGeneration(
+        name="v6e",
+        accelerator="tpu-v6e-slice",
+        machine_family="ct6e-standard",
+        topologies=("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+        # ct6e-standard-1t: 44 vCPU / 448 GB; -4t: 180 / 720 GB; -8t: 180 / 1440 GB.
+        resources={1: HostResources("32", "320Gi"), 4: HostResources("135", "520Gi"),
+                   8: HostResources("135", "1040Gi")},
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuType:
+    name: str
+    accelerator: str  # value of the cloud.google.com/gke-accelerator node label
+    machine_type: str  # the 8-GPU machine type
+    per_gpu: HostResources  # scaled by the GPUs a pod asks for
+
+
+GPU_TYPES: dict[str, GpuType] = {
+    # a3-highgpu-8g: 208 vCPU / 1872 GB for 8 H100s.
+    "h100": GpuType("h100", "nvidia-h100-80gb", "a3-highgpu-8g", HostResources("19", "170Gi")),
+    # a3-ultragpu-8g: 224 vCPU / 2952 GB for 8 H200s.
+    "h200": GpuType("h200", "nvidia-h200-141gb", "a3-ultragpu-8g", HostResources("21", "270Gi")),
+}
+MAX_GPUS_PER_NODE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+    """One TPU slice: its chips, how they split over hosts (= pods), and its node labels."""
+
+    generation: str
+    topology: str
+    chips: int
+    chips_per_host: int
+
+    @property
+    def hosts(self) -> int:
+        return self.chips // self.chips_per_host
+
+    @property
+    def accelerator_label(self) -> str:
+        return TPU_GENERATIONS[self.generation].accelerator
+
+    @property
+    def machine_type(self) -> str:
+        return f"{TPU_GENERATIONS[self.generation].machine_family}-{self.chips_per_host}t"
+
+    @property
+    def node_selector(self) -> dict[str, str]:
+        return {TPU_ACCELERATOR_LABEL: self.accelerator_label, TPU_TOPOLOGY_LABEL: self.topology}
+
+    @property
+    def host_resources(self) -> HostResources:
+        return TPU_GENERATIONS[self.generation].resources[self.chips_per_host]
+
+
+def _default_chips_per_host(generation: str, chips: int) -> int:
+    if generation == "v5p":
+        return 4
+    # v5e/v6e: the 1- and 4-chip topologies fit one host; 2x4 and beyond use 4-chip hosts
+    # (the multi-host node pools); 2x4 on one 8-chip host needs chips_per_host=8.
+    return 1 if chips == 1 else 4
+
+
+def _allowed_chips_per_host(generation: str, chips: int) -> list[int]:
+    if generation == "v5p":
+        return [4]
+    if chips in (1, 4):
+        return [chips]
+    return [4, 8] if chips == 8 else [4]
+
+
+def tpu_slice(generation: str, topology: str, chips_per_host: int | None = None) -> TpuSlice:
+    """Validate ``generation`` and ``topology`` and derive chips and hosts."""
+    require(
+        generation in TPU_GENERATIONS,
+        "accelerator",
+        f"unknown accelerator {generation!r}",
+        f"use a TPU generation ({', '.join(TPU_GENERATIONS)}) or a GPU ({', '.join(GPU_TYPES)})",
+    )
+    gen = TPU_GENERATIONS[generation]
+    require(
+        topology in gen.topologies,
+        "topology",
+        f"{topology!r} is not a {generation} topology",
+        f"use one of {', '.join(gen.topologies)}",
+    )
+    chips = math.prod(int(d) for d in topology.split("x"))
+    if chips_per_host is None:
+        chips_per_host = _default_chips_per_host(generation, chips)
+    else:
+        allowed = _allowed_chips_per_host(generation, chips)
+        require(
+            chips_per_host in allowed,
+            "chips_per_host",
+            f"{chips_per_host} chips per host cannot make a {generation} {topology} slice",
+            f"use {' or '.join(map(str, allowed))}, or None for the default",
+        )
+    return TpuSlice(generation, topology, chips, chips_per_host)
+
+
+def gpu_type(name: str) -> GpuType:
+    if name not in GPU_TYPES:
+        raise ConfigError("accelerator", f"unknown accelerator {name!r}",
+                          f"use a TPU generation ({', '.join(TPU_GENERATIONS)}) "
+                          f"or a GPU ({', '.join(GPU_TYPES)})")
+    return GPU_TYPES[name]
+
+
+def scale_quantity(quantity: str, factor: int) -> str:
+    """``scale_quantity("170Gi", 8) == "1360Gi"`` for the integer quantities used here."""
+    digits = quantity.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    return f"{int(digits) * factor}{quantity[len(digits):]}"

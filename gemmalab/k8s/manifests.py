@@ -1,0 +1,239 @@
+"""Kubernetes objects that run the training notebook: a Job on one host, a JobSet across hosts.
+
+``build(config)`` picks the right one. Jobs are ``kubernetes.client`` models; the JobSet is a
+custom resource, so it is a plain dict whose child-Job template is a serialised ``V1JobSpec``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubernetes import client
+
+from gemmalab.k8s import gcsfuse
+from gemmalab.k8s.config import (
+    CACHE_MOUNT,
+    JAX_COORDINATOR_PORT,
+    PROFILER_PORT,
+    REPLICATED_JOB,
+    RUN_AS_USER,
+    ClusterConfig,
+)
+from gemmalab.k8s.notebook import papermill_argv
+
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
+JOB_INDEX_ANNOTATION = "jobset.sigs.k8s.io/job-index"
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+CONTAINER = "train"
+TPU_RUNTIME_PORT = 8471  # libtpu's port between the hosts of a slice
+
+# The container's shell only creates the output directory (papermill does not), then becomes
+# papermill; "$@" keeps every argument as one word, so no parameter value is ever re-parsed.
+ENTRYPOINT = ["/bin/sh", "-ec", 'mkdir -p "$GEMMALAB_OUTPUT_DIR" && exec papermill "$@"',
+              "papermill"]
+
+
+def labels(config: ClusterConfig) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "gemmalab", "app.kubernetes.io/component": "training",
+            INSTANCE_LABEL: config.job_name}
+
+
+def _field_env(name: str, field_path: str) -> client.V1EnvVar:
+    return client.V1EnvVar(name=name, value_from=client.V1EnvVarSource(
+        field_ref=client.V1ObjectFieldSelector(field_path=field_path)))
+
+
+def _env(config: ClusterConfig) -> list[client.V1EnvVar]:
+    env = [
+        client.V1EnvVar(name="GEMMALAB_OUTPUT_DIR", value=config.output_dir),
+        client.V1EnvVar(name="GEMMALAB_CACHE_DIR", value=CACHE_MOUNT),
+        # Fail at start-up if the accelerator is not visible instead of training on the CPU.
+        client.V1EnvVar(name="JAX_PLATFORMS", value="cuda,cpu" if config.is_gpu else "tpu,cpu"),
+        client.V1EnvVar(name="PYTHONUNBUFFERED", value="1"),
+        client.V1EnvVar(name="TF_CPP_MIN_LOG_LEVEL", value="3"),
+        _field_env("POD_NAME", "metadata.name"),
+    ]
+    if config.multi_host:
+        env += [
+            _field_env("GEMMALAB_SLICE", f"metadata.annotations['{JOB_INDEX_ANNOTATION}']"),
+            _field_env("GEMMALAB_HOST", f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"),
+        ]
+    if config.multi_host and config.is_gpu:
+        # On GPUs nothing injects the cluster layout: process 0 of the JobSet is the
+        # coordinator, reachable through the JobSet's headless service as
+        # <jobset>-<replicatedJob>-0-0.<jobset>.
+        coordinator = f"{config.job_name}-{REPLICATED_JOB}-0-0.{config.job_name}"
+        env += [
+            client.V1EnvVar(name="JAX_COORDINATOR_ADDRESS",
+                            value=f"{coordinator}:{JAX_COORDINATOR_PORT}"),
+            client.V1EnvVar(name="JAX_NUM_PROCESSES", value=str(config.total_hosts)),
+            _field_env("JAX_PROCESS_ID", f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"),
+        ]
+    # On TPUs nothing is set here on purpose: GKE's TPU webhook gives every pod of a JobSet
+    # TPU_WORKER_ID and TPU_WORKER_HOSTNAMES (and MEGASCALE_* across slices), which
+    # jax.distributed.initialize() reads on its own.
+    if config.profiling:
+        env += [
+            client.V1EnvVar(name="GEMMALAB_PROFILER_PORT", value=str(PROFILER_PORT)),
+            client.V1EnvVar(name="GEMMALAB_XPROF_DIR", value=f"{config.output_dir}/xprof"),
+        ]
+    return env
+
+
+def _ports(config: ClusterConfig) -> list[client.V1ContainerPort] | None:
+    ports = []
+    if config.multi_host and not config.is_gpu:
+        ports.append(client.V1ContainerPort(name="tpu-runtime", container_port=TPU_RUNTIME_PORT))
+    if config.multi_host and config.is_gpu:
+        ports.append(client.V1ContainerPort(name="coordinator",
+                                            container_port=JAX_COORDINATOR_PORT))
+    if config.profiling:
+        ports.append(client.V1ContainerPort(name="xprof", container_port=PROFILER_PORT))
+    return ports or None
+
+
+def output_notebook(config: ClusterConfig) -> str:
+    if config.multi_host:  # one executed notebook per host, stable across restarts
+        return f"{config.output_dir}/train-slice$(GEMMALAB_SLICE)-host$(GEMMALAB_HOST).ipynb"
+    return f"{config.output_dir}/train.ipynb"
+
+
+def container(config: ClusterConfig) -> client.V1Container:
+    host = config.host_resources
+    resources = {
+        "cpu": host.cpu,
+        "memory": host.memory,
+        "ephemeral-storage": f"{config.cache_size_gi + 5}Gi",  # cache emptyDir + logs, tmp
+        config.accelerator_resource: str(config.devices_per_host),
+    }
+    mounts = gcsfuse.volume_mounts()
+    if config.is_gpu:
+        mounts.append(client.V1VolumeMount(name="dshm", mount_path="/dev/shm"))
+    return client.V1Container(
+        name=CONTAINER,
+        image=config.resolved_image,
+        image_pull_policy="IfNotPresent",
+        command=ENTRYPOINT,
+        args=papermill_argv(notebook=config.notebook, output_notebook=output_notebook(config),
+                            output_dir=config.output_dir, cache_dir=CACHE_MOUNT,
+                            params=config.params),
+        env=_env(config),
+        ports=_ports(config),
+        # Requests = limits: the accelerator must be (extended resources allow nothing else),
+        # and equal CPU/memory make the pod Guaranteed, the last to be evicted.
+        resources=client.V1ResourceRequirements(requests=dict(resources), limits=dict(resources)),
+        volume_mounts=mounts,
+        # Not privileged: since GKE 1.28 the TPU device plugin hands the chips' device files to
+        # the container (as the NVIDIA plugin does for GPUs), so the privileged mode older TPU
+        # examples ask for is no longer needed; nothing here needs extra capabilities either.
+        security_context=client.V1SecurityContext(
+            privileged=False, allow_privilege_escalation=False, run_as_non_root=True),
+    )
+
+
+def pod_template(config: ClusterConfig) -> client.V1PodTemplateSpec:
+    volumes = gcsfuse.volumes(config)
+    if config.is_gpu:  # NCCL exchanges data through /dev/shm; the default 64 MiB is too small
+        volumes.append(client.V1Volume(name="dshm", empty_dir=client.V1EmptyDirVolumeSource(
+            medium="Memory", size_limit="32Gi")))
+    return client.V1PodTemplateSpec(
+        metadata=client.V1ObjectMeta(labels=labels(config), annotations=gcsfuse.pod_annotations()),
+        spec=client.V1PodSpec(
+            service_account_name=config.service_account,
+            restart_policy="Never",
+            termination_grace_period_seconds=config.termination_grace_period_s,
+            node_selector=config.node_selector,
+            # GKE taints accelerator nodes; it adds these tolerations itself, stated for clarity.
+            tolerations=[client.V1Toleration(key=config.accelerator_resource, operator="Exists",
+                                             effect="NoSchedule")],
+            security_context=client.V1PodSecurityContext(
+                run_as_non_root=True, run_as_user=RUN_AS_USER, run_as_group=RUN_AS_USER,
+                fs_group=RUN_AS_USER,
+                seccomp_profile=client.V1SeccompProfile(type="RuntimeDefault")),
+            containers=[container(config)],
+            volumes=volumes,
+        ),
+    )
+
+
+def _disruption(action: str) -> client.V1PodFailurePolicyRule:
+    """Preemption or node maintenance (pod condition DisruptionTarget) is not the run's fault."""
+    return client.V1PodFailurePolicyRule(action=action, on_pod_conditions=[
+        client.V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget", status="True")])
+
+
+def job(config: ClusterConfig) -> client.V1Job:
+    """A batch/v1 Job: one pod on one host (TPU 1x1/2x2, or one GPU node)."""
+    if config.multi_host:
+        raise ValueError(f"{config.describe()} spans {config.total_hosts} hosts: use jobset()")
+    return client.V1Job(
+        api_version="batch/v1",
+        kind="Job",
+        metadata=client.V1ObjectMeta(name=config.job_name, namespace=config.namespace,
+                                     labels=labels(config)),
+        spec=client.V1JobSpec(
+            backoff_limit=config.backoff_limit,
+            # An evicted pod is replaced without spending the backoff limit.
+            pod_failure_policy=client.V1PodFailurePolicy(rules=[_disruption("Ignore")]),
+            ttl_seconds_after_finished=config.ttl_after_finished_s,
+            active_deadline_seconds=config.active_deadline_s,
+            template=pod_template(config),
+        ),
+    )
+
+
+def jobset(config: ClusterConfig) -> dict[str, Any]:
+    """A JobSet: one Indexed child Job per slice, one pod per host, DNS names for every pod."""
+    hosts = config.hosts_per_slice
+    child = client.V1JobTemplateSpec(spec=client.V1JobSpec(
+        parallelism=hosts,
+        completions=hosts,
+        completion_mode="Indexed",
+        backoff_limit=0,  # one lost host stops the slice; the JobSet restarts all of them
+        # A disruption fails the child Job with reason PodFailurePolicy, which the JobSet's
+        # failure policy below restarts without counting it against maxRestarts.
+        pod_failure_policy=client.V1PodFailurePolicy(rules=[_disruption("FailJob")]),
+        active_deadline_seconds=config.active_deadline_s,
+        template=pod_template(config),
+    ))
+    annotations = {}
+    if not config.is_gpu:
+        # Every child Job (= slice) gets a node pool (= physical slice) of its own, and all
+        # pods of a slice land in the same node pool; without it pods of a slice can be
+        # scattered over several node pools of the same topology and never see each other.
+        annotations[EXCLUSIVE_TOPOLOGY] = NODEPOOL_LABEL
+    metadata: dict[str, Any] = {"name": config.job_name, "namespace": config.namespace,
+                                "labels": labels(config)}
+    if annotations:
+        metadata["annotations"] = annotations
+    return {
+        "apiVersion": JOBSET_API_VERSION,
+        "kind": "JobSet",
+        "metadata": metadata,
+        "spec": {
+            "ttlSecondsAfterFinished": config.ttl_after_finished_s,
+            "failurePolicy": {
+                "maxRestarts": config.max_restarts,
+                "rules": [{"name": "restart-after-disruption",
+                           "action": "RestartJobSetAndIgnoreMaxRestarts",
+                           "onJobFailureReasons": ["PodFailurePolicy"]}],
+            },
+            # A headless service named after the JobSet: pods resolve each other as
+            # <jobset>-<replicatedJob>-<slice>-<host>.<jobset>, as the TPU runtime expects.
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "replicatedJobs": [{
+                "name": REPLICATED_JOB,
+                "replicas": config.num_slices,
+                "template": client.ApiClient().sanitize_for_serialization(child),
+            }],
+        },
+    }
+
+
+def build(config: ClusterConfig) -> list[Any]:
+    """The objects to submit for ``config``: a Job on one host, a JobSet on several."""
+    return [jobset(config) if config.multi_host else job(config)]
+
