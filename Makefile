@@ -15,7 +15,7 @@ export TF_CPP_MIN_LOG_LEVEL := 3
 
 DEMO_DIR ?= runs/demo
 
-.PHONY: help env demo test lint lock notebooks lab clean
+.PHONY: help env demo test lint lock notebooks lab image clean
 
 help:
 	@echo "make demo   - set up, then fine-tune offline on the embedded corpus (notebooks/train.ipynb)"
@@ -23,6 +23,7 @@ help:
 	@echo "make lint   - ruff"
 	@echo "make notebooks - re-execute the nbval regression copies in tests/notebooks/"
 	@echo "make lab    - JupyterLab on notebooks/ with the project's kernel registered"
+	@echo "make image  - docker images: TARGET=tpu|gpu|cpu IMAGE=<registry>/gemmalab-<target>:<tag>"
 	@echo "make lock   - re-resolve uv.lock and requirements.txt after editing pyproject.toml"
 
 # uv comes from the package registry into a private venv; the project env comes from uv.lock.
@@ -77,6 +78,12 @@ lint: $(STAMP)
 lock: $(UV)
 	$(UV) lock --python "$$(scripts/find-python312)"
 	$(UV) export --frozen --no-hashes --no-dev --no-emit-project -o requirements.txt >/dev/null
+
+# Where a Docker engine runs (not on the CI machines). Push with `docker push $(IMAGE)`.
+TARGET ?= tpu
+IMAGE ?= gemmalab-$(TARGET):$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+image:
+	docker build --target $(TARGET) -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) $(TOOLS) runs .pytest_cache .ruff_cache

@@ -41,3 +41,17 @@ def test_notebook_has_a_parameters_cell_and_thin_cells():
             if cell["cell_type"] == "code" and "parameters" not in cell["metadata"].get("tags", []):
                 source = "".join(cell["source"]).splitlines()
                 assert len(source) <= 15, f"{path.name}: move logic into gemmalab"
+
+
+def test_launch_notebook_renders_without_a_cluster(tmp_path):
+    """submit=False (the default) renders and shows the objects; nothing reaches a cluster."""
+    import papermill
+
+    papermill.execute_notebook(
+        str(NOTEBOOKS / "launch.ipynb"), str(tmp_path / "launch.out.ipynb"),
+        parameters=dict(topology="2x4", job_name="nb-test"), kernel_name="python3",
+        progress_bar=False, cwd=str(tmp_path))
+    text = json.loads((tmp_path / "launch.out.ipynb").read_text())
+    outputs = json.dumps([c.get("outputs", []) for c in text["cells"]])
+    assert "kind: JobSet" in outputs and "nb-test" in outputs
+    assert "submit=False: nothing was sent to the cluster." in outputs

@@ -1,0 +1,47 @@
+"""What launch.ipynb does after submitting: wait on the pods, then read the run's metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gemmalab import storage
+from gemmalab.k8s import client as k8s_client
+
+DONE_PHASES = ("Succeeded", "Failed")
+
+
+def watch(job_name: str, namespace: str = "default", *, timeout_s: float = 1800,
+          poll_s: float = 15, on_change: Callable[[dict[str, str]], None] | None = None,
+          api_client: Any = None) -> dict[str, str]:
+    """Poll pod phases until every pod finished, one failed, or ``timeout_s`` passed.
+
+    ``on_change`` is called with ``{pod: phase}`` whenever the phases change (the notebook
+    prints them). Returns the last phases seen.
+    """
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, str] | None = None
+    while True:
+        phases = k8s_client.pod_phases(job_name, namespace, api_client=api_client)
+        if phases != last and on_change is not None:
+            on_change(phases)
+        last = phases
+        finished = bool(phases) and all(p in DONE_PHASES for p in phases.values())
+        if finished or "Failed" in phases.values() or time.monotonic() >= deadline:
+            return phases
+        time.sleep(poll_s)
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Records of a run's ``metrics.jsonl``/``eval.jsonl`` (local, GCS FUSE mount or gs://)."""
+    if not storage.exists(path):
+        return []
+    text = storage.read_bytes(path).decode("utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def run_metrics(run_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train records, eval records) of the run writing to ``run_dir``, so far."""
+    return read_jsonl(f"{run_dir}/metrics.jsonl"), read_jsonl(f"{run_dir}/eval.jsonl")
