@@ -280,7 +280,9 @@ class Experiment:
 
     def save(self) -> str:
         """Write the final (master-dtype) params to ``output_dir/params``; every process calls."""
-        return checkpoints.save_params(self.state.params, f"{self.config.output_dir}/params")
+        path = f"{self.config.output_dir}/params"
+        checkpoints.save_params(self.state.params, path)
+        return path
 
 
 @dataclasses.dataclass(frozen=True)

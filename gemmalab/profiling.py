@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -19,6 +20,13 @@ def start_server(port: int = DEFAULT_SERVER_PORT) -> int:
         jax.profiler.start_server(port)
         _server_port = port
     return _server_port
+
+
+def serve_if_requested() -> int | None:
+    """Start the server when the pod asks for it (``GEMMALAB_PROFILER_PORT``, set by the GKE
+    manifests when profiling is on), so XProf can capture a running training job."""
+    port = os.environ.get("GEMMALAB_PROFILER_PORT")
+    return start_server(int(port)) if port else None
 
 
 @dataclasses.dataclass(frozen=True)

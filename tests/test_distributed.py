@@ -34,3 +34,16 @@ def test_explicit_coordinator(calls, monkeypatch):
 def test_tpu_jobsets_use_jax_cluster_detection(calls, monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     assert distributed.initialize() is True and calls == [{}]
+
+
+def test_profiler_server_only_when_the_pod_asks(monkeypatch):
+    from gemmalab import profiling
+
+    started = []
+    monkeypatch.setattr(profiling, "_server_port", None)
+    monkeypatch.setattr(jax.profiler, "start_server", started.append)
+    monkeypatch.delenv("GEMMALAB_PROFILER_PORT", raising=False)
+    assert profiling.serve_if_requested() is None and started == []
+    monkeypatch.setenv("GEMMALAB_PROFILER_PORT", "9002")
+    assert profiling.serve_if_requested() == 9002 and started == [9002]
+    assert profiling.serve_if_requested() == 9002 and started == [9002]  # once per process

@@ -32,15 +32,16 @@ def test_train_notebook_runs_offline_end_to_end(tmp_path, cache_dir):
     assert "params saved to" in text
 
 
-def test_notebook_has_a_parameters_cell_and_thin_cells():
+def test_notebooks_have_a_parameters_cell_and_thin_cells():
     for path in NOTEBOOKS.glob("*.ipynb"):
         notebook = json.loads(path.read_text())
         tags = [c.get("metadata", {}).get("tags", []) for c in notebook["cells"]]
         assert sum("parameters" in t for t in tags) == 1, path
         for cell in notebook["cells"]:
             if cell["cell_type"] == "code" and "parameters" not in cell["metadata"].get("tags", []):
-                source = "".join(cell["source"]).splitlines()
-                assert len(source) <= 15, f"{path.name}: move logic into gemmalab"
+                lines = "".join(cell["source"]).splitlines()
+                logic = [x for x in lines if x.strip() and not x.strip().startswith("#")]
+                assert len(logic) <= 15, f"{path.name}: move logic into gemmalab"
 
 
 def test_launch_notebook_renders_without_a_cluster(tmp_path):
