@@ -23,7 +23,8 @@ def measure(model, params, device_mesh, batch, compute_dtype, steps: int) -> flo
     schedule = training.learning_rate_schedule(1e-3, 1000, warmup_ratio=0.0, min_lr_ratio=1.0)
     optimizer = training.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
                                         max_grad_norm=1.0)
-    state = training.init_state(params, optimizer, device_mesh)
+    # The step donates its state: give each measurement its own copy of the weights.
+    state = training.init_state(jax.tree.map(jnp.copy, params), optimizer, device_mesh)
     step = training.make_train_step(model, optimizer, schedule, compute_dtype, device_mesh)
     state, metrics = step(state, batch)  # compile
     jax.block_until_ready(metrics)
