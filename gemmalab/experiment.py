@@ -352,10 +352,10 @@ def _load_tokenizer_everywhere(config: TrainConfig, corpus: data.Corpus, rule: d
 
 def _initial_params(model: Any, checkpoint: models.ResolvedCheckpoint, config: TrainConfig,
                     param_dtype: Any) -> Any:
-    dummy = jnp.zeros((1, config.maxlen), jnp.int32)
-    expected = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), dummy))["params"]
     if not checkpoint.path:
         return models.init_params(model, seed=config.seed, sample_length=config.maxlen)
+    dummy = jnp.zeros((1, config.maxlen), jnp.int32)
+    expected = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), dummy))["params"]
     loaded = checkpoints.load_params(checkpoint.path,
                                      text_only=models.PRESETS[config.model].multimodal)
     if jax.tree.structure(loaded) != jax.tree.structure(expected) or any(
