@@ -93,11 +93,10 @@ def chat_replies(run: Run, contender: Contender, prompts: list[str], *, max_new_
                  seed: int, temperature: float = 0.0, top_p: float = 1.0) -> list[str]:
     """Single-turn replies through gemma's chat template (for instruction-tuned checkpoints)."""
     gm = gemma_lib.gm()
-    sampling_method = (gm.text.Greedy() if temperature == 0.0
-                       else gm.text.TopPSampling(p=top_p, temperature=temperature))
-    params = jax.tree.map(lambda p: p.astype(run.config.compute_dtype), contender.params)
+    params = training.cast_params(contender.params, run.config.compute_dtype)
     sampler = gm.text.ChatSampler(model=run.model, params=params, tokenizer=run.data.tokenizer,
-                                  sampling=sampling_method, multi_turn=False,
+                                  sampling=sampling.sampling_method(temperature, top_p),
+                                  multi_turn=False,
                                   cache_length=sampling.SAMPLER_CACHE_LENGTH,
                                   max_out_length=max_new_tokens)
     return [sampler.chat(prompt, rng=seed) for prompt in prompts]

@@ -341,8 +341,8 @@ def _load_tokenizer_everywhere(config: TrainConfig, corpus: data.Corpus, rule: d
     size = int(multihost_utils.broadcast_one_to_all(np.int64(len(proto))))
     buffer = np.frombuffer(proto.ljust(size, b"\0"), np.uint8)
     proto = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer)))
-    path = (config.resolved_cache_dir / "tokenizers" /
-            f"local-{corpus.fingerprint}-v{config.tokenizer_vocab_size}.model")
+    path = tokenizers.local_tokenizer_path(config.resolved_cache_dir, corpus.fingerprint,
+                                           config.tokenizer_vocab_size)
     if jax.process_index() != 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(proto)

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 
-from gemmalab import gemma_lib
+from gemmalab import gemma_lib, training
 
 SAMPLER_CACHE_LENGTH = 1024
+
+
+def sampling_method(temperature: float, top_p: float) -> Any:
+    """gemma's greedy sampling when ``temperature`` is 0, else nucleus (top-p) sampling."""
+    gm = gemma_lib.gm()
+    if temperature == 0.0:
+        return gm.text.Greedy()
+    return gm.text.TopPSampling(p=top_p, temperature=temperature)
 
 
 def sample(model: Any, params: Any, tokenizer: Any, prompts: str | list[str], *,
@@ -23,10 +30,9 @@ def sample(model: Any, params: Any, tokenizer: Any, prompts: str | list[str], *,
     gm = gemma_lib.gm()
 
     if compute_dtype is not None:
-        params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-    sampling = (gm.text.Greedy() if temperature == 0.0
-                else gm.text.TopPSampling(p=top_p, temperature=temperature))
-    sampler = gm.text.Sampler(model=model, params=params, tokenizer=tokenizer, sampling=sampling,
+        params = training.cast_params(params, compute_dtype)
+    sampler = gm.text.Sampler(model=model, params=params, tokenizer=tokenizer,
+                              sampling=sampling_method(temperature, top_p),
                               cache_length=SAMPLER_CACHE_LENGTH, max_out_length=max_new_tokens)
     output = sampler.sample(prompts, max_new_tokens=max_new_tokens, rng=seed, return_state=True)
     texts = [output.text] if isinstance(output.text, str) else list(output.text)

@@ -116,7 +116,7 @@ def load_tokenizer(spec: str, *, cache_dir: Path, training_stories: Iterable[str
     if spec == "gemma3":
         return _load_gemma3()
     if spec == "local":
-        path = cache_dir / "tokenizers" / f"local-{corpus_fingerprint}-v{vocab_size}.model"
+        path = local_tokenizer_path(cache_dir, corpus_fingerprint, vocab_size)
         if not path.exists():
             if training_stories is None:
                 raise ConfigError("tokenizer", "no corpus to train a local tokenizer on",
@@ -124,6 +124,11 @@ def load_tokenizer(spec: str, *, cache_dir: Path, training_stories: Iterable[str
             train_local_tokenizer(training_stories, path, vocab_size=vocab_size)
         return _wrap_file(str(path), name="local")
     return _wrap_file(spec, name=spec)
+
+
+def local_tokenizer_path(cache_dir: Path, corpus_fingerprint: str, vocab_size: int) -> Path:
+    """Where the local tokenizer trained on a corpus is cached."""
+    return cache_dir / "tokenizers" / f"local-{corpus_fingerprint}-v{vocab_size}.model"
 
 
 def train_local_tokenizer(stories: Iterable[str], path: Path, *, vocab_size: int) -> Path:

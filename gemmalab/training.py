@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gemmalab.mesh import batch_sharding, replicated
+from gemmalab.mesh import batch_sharding, global_batch, replicated
 
 # Largest logits block the loss materialises (elements): 1 GiB in fp32.
 LOSS_CHUNK_LOGITS = 1 << 28
@@ -67,6 +67,11 @@ def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
+def cast_params(params: Any, dtype: Any) -> Any:
+    """The compute copy of the (master-dtype) params."""
+    return jax.tree.map(lambda p: p.astype(dtype), params)
+
+
 def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array,
                           mask: jax.Array, *, softcap: float | None = None,
                           max_logits: int) -> tuple[jax.Array, jax.Array]:
@@ -104,7 +109,7 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
 def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any
                  ) -> tuple[jax.Array, jax.Array]:
     """Sum of masked next-token NLL over the batch, and the number of loss-bearing targets."""
-    params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+    params = cast_params(params, compute_dtype)
     # The model's own logits are unused (XLA drops them); the loss recomputes them in chunks.
     output = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
                          attention_mask=attention_mask(batch["segment_ids"]),
@@ -157,8 +162,6 @@ def init_state(params: Any, optimizer: optax.GradientTransformation, mesh: Any) 
 def evaluate(eval_step: Callable, params: Any, batches: list[dict[str, np.ndarray]], mesh: Any,
              ) -> tuple[float, float]:
     """Mean loss over every real target of the eval set, and its perplexity."""
-    from gemmalab.mesh import global_batch
-
     total, count = 0.0, 0.0
     for batch in batches:
         s, n = jax.device_get(eval_step(params, global_batch(batch, mesh)))
