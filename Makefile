@@ -47,13 +47,16 @@ demo: $(STAMP)
 # (data prep builds the token cache, train writes the run that sample_compare and profile read).
 NBVAL_DIR := tests/notebooks
 NBVAL_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8
+# float32 compute: the copies must reproduce on other CPUs within the stated tolerance.
 NBVAL_DATA := -p embedded_stories 300 -p tokenizer_vocab_size 600 -p cache_dir nbval-cache \
-	-p maxlen 64
+	-p maxlen 64 -p compute_dtype float32
 PAPERMILL := $(NBVAL_ENV) $(VENV)/bin/papermill --cwd $(NBVAL_DIR) --no-progress-bar
 
+PYTEST := $(NBVAL_ENV) $(VENV)/bin/pytest -q -p no:cacheprovider \
+	--nbval-sanitize-with $(NBVAL_DIR)/sanitize.cfg
+
 test: $(STAMP)
-	$(NBVAL_ENV) $(VENV)/bin/pytest -q -p no:cacheprovider --nbval \
-		--nbval-sanitize-with $(NBVAL_DIR)/sanitize.cfg tests
+	$(PYTEST) tests
 
 notebooks: $(STAMP)
 	rm -rf $(NBVAL_DIR)/nbval-cache $(NBVAL_DIR)/nbval-run $(NBVAL_DIR)/nbval-profile

@@ -9,7 +9,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gemmalab import checkpoints, data, gemma_lib, mesh, models, sampling, storage, training
+from gemmalab import (
+    checkpoints,
+    data,
+    gemma_lib,
+    mesh,
+    models,
+    reports,
+    sampling,
+    storage,
+    training,
+)
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.experiment import PreparedData, prepare_data
@@ -67,30 +77,38 @@ def base_params(run: Run, checkpoint: str = "run") -> Contender:
 
 def samples_table(run: Run, contenders: list[Contender], prompts: list[str], *,
                   max_new_tokens: int, temperature: float, top_p: float, seed: int,
-                  chat: bool = False) -> Any:
-    """Continuations of every prompt by every contender, greedy and top-p (pandas)."""
+                  chat: bool = False) -> reports.SamplesView:
+    """Continuations of every prompt by every contender, greedy and top-p, side by side.
+
+    ``.frame`` is the pandas table (rows: prompt x sampling, columns: contenders).
+    """
     import pandas as pd
 
     methods = {"greedy": {"temperature": 0.0},
                f"top-p {top_p} T={temperature}": {"temperature": temperature, "top_p": top_p}}
     compute = jnp.dtype(run.config.compute_dtype)
-    rows = []
+    rows, continuations, labels = [], [], []
     for contender in contenders:
         for method, settings in methods.items():
-            texts = (chat_replies(run, contender, prompts, max_new_tokens=max_new_tokens,
-                                  seed=seed, **settings) if chat
-                     else sampling.sample(run.model, contender.params, run.data.tokenizer,
-                                          list(prompts), max_new_tokens=max_new_tokens,
-                                          compute_dtype=compute, seed=seed, **settings))
-            for prompt, text in zip(prompts, texts, strict=True):
-                rows.append({"prompt": prompt, "sampling": method, "model": contender.name,
-                             "continuation": text})
-    table = pd.DataFrame(rows)
-    return table.pivot(index=["prompt", "sampling"], columns="model", values="continuation")
+            produced = (chat_replies(run, contender, prompts, max_new_tokens=max_new_tokens,
+                                     seed=seed, **settings) if chat
+                        else sampling.continue_prompts(
+                            run.model, contender.params, run.data.tokenizer, list(prompts),
+                            max_new_tokens=max_new_tokens, compute_dtype=compute, seed=seed,
+                            **settings))
+            for continuation in produced:
+                rows.append({"prompt": continuation.prompt, "sampling": method,
+                             "model": contender.name, "continuation": continuation.text})
+                continuations.append(continuation)
+                labels.append(f"{contender.name} / {method}")
+    frame = pd.DataFrame(rows).pivot(index=["prompt", "sampling"], columns="model",
+                                     values="continuation")
+    return reports.SamplesView(tuple(continuations), tuple(labels), frame)
 
 
 def chat_replies(run: Run, contender: Contender, prompts: list[str], *, max_new_tokens: int,
-                 seed: int, temperature: float = 0.0, top_p: float = 1.0) -> list[str]:
+                 seed: int, temperature: float = 0.0, top_p: float = 1.0
+                 ) -> list[sampling.Continuation]:
     """Single-turn replies through gemma's chat template (for instruction-tuned checkpoints)."""
     gm = gemma_lib.gm()
     params = training.cast_params(contender.params, run.config.compute_dtype)
@@ -99,7 +117,7 @@ def chat_replies(run: Run, contender: Contender, prompts: list[str], *, max_new_
                                   multi_turn=False,
                                   cache_length=sampling.SAMPLER_CACHE_LENGTH,
                                   max_out_length=max_new_tokens)
-    return [sampler.chat(prompt, rng=seed) for prompt in prompts]
+    return [sampling.Continuation(prompt, sampler.chat(prompt, rng=seed)) for prompt in prompts]
 
 
 def perplexity_table(run: Run, contenders: list[Contender]) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,18 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_parameters(cls, namespace: Mapping[str, Any], **overrides: Any) -> TrainConfig:
+        """The config from a notebook's variables: every name in ``namespace`` that is a field.
+
+        papermill injects whatever ``-p NAME VALUE`` it is given, so every field can be set from
+        the command line whether or not the notebook's parameters cell lists it; the defaults
+        stay declared once, here.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {name: value for name, value in namespace.items() if name in known}
+        return cls.from_dict({**values, **overrides})
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:

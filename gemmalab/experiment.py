@@ -146,9 +146,14 @@ class Experiment:
     def num_params(self) -> int:
         return models.parameter_count(self.state.params)
 
-    def sample(self, prompts: str | list[str], **kwargs: Any) -> str | list[str]:
-        return sampling.sample(self.model, self.state.params, self.tokenizer, prompts,
-                               compute_dtype=self.compute_dtype, **kwargs)
+    def sample(self, prompts: str | list[str], **kwargs: Any
+               ) -> sampling.Continuation | list[sampling.Continuation]:
+        """Continue one prompt or several with the current weights (greedy by default)."""
+        single = isinstance(prompts, str)
+        continuations = sampling.continue_prompts(
+            self.model, self.state.params, self.tokenizer, [prompts] if single else prompts,
+            compute_dtype=self.compute_dtype, **kwargs)
+        return continuations[0] if single else continuations
 
     @functools.cached_property
     def train_step(self) -> Any:

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gemmalab.sampling import Continuation
+
+# Output-metadata key under which continuations travel as data (see ``SamplesView``).
+SAMPLES_METADATA_KEY = "gemmalab/samples"
 
 SUMMARY_ROWS = (
     "steps", "initial_train_loss", "final_train_loss", "initial_eval_loss", "final_eval_loss",
@@ -26,11 +33,45 @@ def data_table(stats: dict[str, Any]) -> Any:
     return pd.DataFrame({"value": pd.Series(stats, dtype=object)}).rename_axis("data")
 
 
-def samples_table(prompt: str, before: str, after: str) -> Any:
+@dataclasses.dataclass(frozen=True)
+class SamplesView:
+    """Model continuations as a notebook shows them, with the continuations attached as data.
+
+    The rendering is a table (``frame``) or, without one, plain ``prompt + text`` lines. The
+    output's metadata carries each continuation's record (label, prompt, text, decided part), so
+    the notebook regression tests compare continuations as text rather than as rendered markup.
+    """
+
+    continuations: tuple[Continuation, ...]
+    labels: tuple[str, ...]
+    frame: Any = None
+
+    def records(self) -> list[dict[str, Any]]:
+        return [c.record(label) for c, label in zip(self.continuations, self.labels, strict=True)]
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> tuple[dict, dict]:
+        if self.frame is None:
+            data = {"text/plain": "\n".join(c.prompt + c.text for c in self.continuations)}
+        else:
+            styled = self.frame.style.set_properties(
+                **{"text-align": "left", "white-space": "pre-wrap"})
+            data = {"text/plain": self.frame.to_string(max_colwidth=None),
+                    "text/html": styled.to_html()}
+        return data, {SAMPLES_METADATA_KEY: self.records()}
+
+
+def continuation_view(continuation: Continuation, label: str = "") -> SamplesView:
+    """``prompt + continuation`` as one line of text."""
+    return SamplesView((continuation,), (label,))
+
+
+def samples_table(before: Continuation, after: Continuation) -> SamplesView:
+    """One prompt's continuation before and after training, side by side."""
     import pandas as pd
 
-    return pd.DataFrame({"prompt": [prompt], "before training": [before],
-                         "after training": [after]}).T.rename(columns={0: "text"})
+    frame = pd.DataFrame({"prompt": [before.prompt], "before training": [before.text],
+                          "after training": [after.text]}).T.rename(columns={0: "text"})
+    return SamplesView((before, after), ("before training", "after training"), frame)
 
 
 def loss_figure(history: list[dict[str, Any]], eval_history: list[dict[str, Any]]) -> Any:

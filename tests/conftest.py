@@ -1,4 +1,7 @@
-"""Shared fixtures. Eight virtual CPU devices make every test exercise the data-parallel mesh."""
+"""Shared fixtures, and the hooks of the notebook regression tests (``tests/notebooks/``).
+
+Eight virtual CPU devices make every test exercise the data-parallel mesh.
+"""
 
 import os
 
@@ -8,6 +11,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from notebook_regression import pytest_addoption, pytest_collect_file  # noqa: E402, F401
 
 from gemmalab import corpus  # noqa: E402
 
