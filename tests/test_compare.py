@@ -44,11 +44,23 @@ def test_samples_side_by_side(run, chat):
     contenders = [compare.base_params(loaded), compare.finetuned_params(loaded)]
     table = compare.samples_table(loaded, contenders, [PROMPT, "Tom had a"], max_new_tokens=6,
                                   temperature=0.8, top_p=0.9, seed=1, chat=chat)
-    assert list(table.columns) == ["base (random init)", "fine-tuned"]
-    assert len(table) == 4  # 2 prompts x (greedy, top-p)
+    assert list(table.frame.columns) == ["base (random init)", "fine-tuned"]
+    assert len(table.frame) == 4  # 2 prompts x (greedy, top-p)
     again = compare.samples_table(loaded, contenders, [PROMPT, "Tom had a"], max_new_tokens=6,
                                   temperature=0.8, top_p=0.9, seed=1, chat=chat)
-    assert table.equals(again)  # fixed seed: reproducible
+    assert table.frame.equals(again.frame)  # fixed seed: reproducible
+    # The rendering carries every continuation as data for the notebook regression tests.
+    data, metadata = table._repr_mimebundle_()
+    records = metadata["gemmalab/samples"]
+    assert [r["label"] for r in records] == [
+        f"{model} / {method}" for model in ("base (random init)", "fine-tuned")
+        for method in ("greedy", "top-p 0.9 T=0.8") for _ in range(2)]
+    assert sorted(table.frame.to_numpy().ravel()) == sorted(r["text"] for r in records)
+    assert "top-p 0.9 T=0.8" in data["text/plain"] and "<table" in data["text/html"]
+    for record in records:
+        assert record["text"].startswith(record["decided"])
+        if chat or "top-p" in record["label"]:
+            assert record["decided"] == "" and not record["complete"]
 
 
 def test_missing_run(tmp_path):

@@ -90,8 +90,9 @@ def test_resume_from_saved_params(finished_run, tmp_path, cache_dir, stories_fil
 def test_sampling_before_and_after(finished_run):
     experiment, _, _, before = finished_run
     after = experiment.sample([PROMPT, "Tom had a"], max_new_tokens=8)
-    assert isinstance(before, str) and len(after) == 2
-    assert all(isinstance(text, str) for text in after)
+    assert isinstance(before.text, str) and before.prompt == PROMPT and len(after) == 2
+    assert [c.prompt for c in after] == [PROMPT, "Tom had a"]
+    assert all(isinstance(c.text, str) and c.text.startswith(c.decided) for c in after)
 
 
 # --- bad input: one line, naming the parameter, before tokenization/initialisation -----------
