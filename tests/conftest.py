@@ -11,7 +11,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from notebook_regression import pytest_addoption, pytest_collect_file  # noqa: E402, F401
+from notebook_regression import (  # noqa: E402, F401
+    pytest_addoption,
+    pytest_collect_file,
+    pytest_configure,
+)
 
 from gemmalab import corpus  # noqa: E402
 
