@@ -22,7 +22,7 @@ help:
 	@echo "make test   - set up, then run the test suite"
 	@echo "make lint   - ruff"
 	@echo "make notebooks - re-execute the nbval regression copies in tests/notebooks/"
-	@echo "make lab    - JupyterLab on notebooks/ with the project's kernel registered"
+	@echo "make lab    - JupyterLab on notebooks/ with the project's kernel (headless; LAB_IP, LAB_PORT)"
 	@echo "make image  - docker images: TARGET=tpu|gpu|cpu IMAGE=<registry>/gemmalab-<target>:<tag>"
 	@echo "make lock   - re-resolve uv.lock and requirements.txt after editing pyproject.toml"
 
@@ -71,9 +71,7 @@ notebooks: $(STAMP)
 		-p batch_size 8 -p profile_dir nbval-profile -p warmup_steps 2 -p profile_steps 3
 
 lab: $(STAMP)
-	$(VENV)/bin/python -m ipykernel install --sys-prefix --name gemmalab \
-		--display-name "Python 3.12 (gemmalab)"
-	$(VENV)/bin/jupyter lab --notebook-dir notebooks
+	VENV=$(VENV) scripts/lab
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,127 @@
+"""`make lab` (scripts/lab): a headless JupyterLab any user can start, root included.
+
+The server is started as `make lab` starts it; the test then works through its REST and
+websocket APIs as the browser would: the project's kernel is registered, notebooks/train.ipynb
+opens through the contents API, and a cell of it runs in that kernel.
+"""
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lab:
+    def __init__(self, port: int, token: str):
+        self.base = f"http://127.0.0.1:{port}"
+        self.token = token
+
+    def get(self, path: str) -> dict:
+        request = urllib.request.Request(f"{self.base}{path}",
+                                         headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    def post(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(
+            f"{self.base}{path}", data=json.dumps(body).encode(), method="POST",
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def lab():
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "LAB_PORT": str(port), "JUPYTER_TOKEN": token}
+    process = subprocess.Popen([str(ROOT / "scripts" / "lab")], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    server = Lab(port, token)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                server.get("/api/status")
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    os.killpg(process.pid, signal.SIGTERM)
+                    pytest.fail("JupyterLab did not start:\n" + process.stdout.read()[-3000:])
+                time.sleep(0.5)
+        yield server
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        output = process.communicate(timeout=30)[0]
+        # Headless: the URL with its token is printed for the user to open.
+        assert f"http://127.0.0.1:{port}/lab?token=" in output, output[-3000:]
+
+
+def execute(server: Lab, kernel_id: str, code: str) -> str:
+    """Run ``code`` in a kernel over its websocket channels; its stdout (errors raise)."""
+    import asyncio
+
+    from tornado.websocket import websocket_connect
+
+    async def run() -> str:
+        url = (f"{server.base.replace('http', 'ws')}/api/kernels/{kernel_id}/channels"
+               f"?token={server.token}")
+        connection = await websocket_connect(url)
+        msg_id = uuid.uuid4().hex
+        await connection.write_message(json.dumps({
+            "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "test",
+                       "session": uuid.uuid4().hex, "version": "5.3"},
+            "parent_header": {}, "metadata": {}, "channel": "shell",
+            "content": {"code": code, "silent": False, "store_history": False,
+                        "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
+        }))
+        stdout = []
+        while True:
+            raw = await asyncio.wait_for(connection.read_message(), timeout=120)
+            message = json.loads(raw)
+            if message.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, content = message["msg_type"], message["content"]
+            if kind == "stream" and content["name"] == "stdout":
+                stdout.append(content["text"])
+            elif kind == "error":
+                raise AssertionError(f"{content['ename']}: {content['evalue']}")
+            elif kind == "status" and content["execution_state"] == "idle":
+                connection.close()
+                return "".join(stdout)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_lab_serves_the_notebooks_and_runs_them_in_the_project_kernel(lab):
+    specs = lab.get("/api/kernelspecs")["kernelspecs"]
+    assert specs["gemmalab"]["spec"]["display_name"] == "Python 3.12 (gemmalab)"
+
+    notebook = lab.get("/api/contents/train.ipynb")
+    assert notebook["type"] == "notebook"
+    cells = notebook["content"]["cells"]
+    parameters = next(c for c in cells if "parameters" in c["metadata"].get("tags", []))
+
+    kernel = lab.post("/api/kernels", {"name": "gemmalab"})
+    output = execute(lab, kernel["id"], parameters["source"] + "\n"
+                     "import sys, gemmalab.config\n"
+                     "print(model, maxlen, sys.version_info[:2] == (3, 12))")
+    assert output.split() == ["gemma3-tiny", "256", "True"]
