@@ -15,11 +15,13 @@ export TF_CPP_MIN_LOG_LEVEL := 3
 
 DEMO_DIR ?= runs/demo
 
-.PHONY: help env demo test lint lock notebooks lab image clean
+.PHONY: help env demo test test-fast test-numerics lint lock notebooks lab image clean
 
 help:
 	@echo "make demo   - set up, then fine-tune offline on the embedded corpus (notebooks/train.ipynb)"
 	@echo "make test   - set up, then run the test suite"
+	@echo "make test-fast     - the tests without notebooks and multi-process runs (~2 min)"
+	@echo "make test-numerics - the notebook regression tests under SSE4.2/1 core and AVX2 numerics"
 	@echo "make lint   - ruff"
 	@echo "make notebooks - re-execute the nbval regression copies in tests/notebooks/"
 	@echo "make lab    - JupyterLab on notebooks/ with the project's kernel (headless; LAB_IP, LAB_PORT)"
@@ -52,11 +54,23 @@ NBVAL_DATA := -p embedded_stories 300 -p tokenizer_vocab_size 600 -p cache_dir n
 	-p maxlen 64 -p compute_dtype float32
 PAPERMILL := $(NBVAL_ENV) $(VENV)/bin/papermill --cwd $(NBVAL_DIR) --no-progress-bar
 
-PYTEST := $(NBVAL_ENV) $(VENV)/bin/pytest -q -p no:cacheprovider \
-	--nbval-sanitize-with $(NBVAL_DIR)/sanitize.cfg
+PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider --nbval-sanitize-with $(NBVAL_DIR)/sanitize.cfg
 
 test: $(STAMP)
-	$(PYTEST) tests
+	$(NBVAL_ENV) $(PYTEST) tests
+
+# The inner loop: everything but the notebooks, multi-process and server runs (~2 min).
+test-fast: $(STAMP)
+	$(NBVAL_ENV) $(PYTEST) -m "not slow" tests
+
+# The notebook copies must also pass under other CPU numerics: SSE4.2 kernels on one core, and
+# AVX2 kernels on every core (different vector widths, FMA, thread counts than the default).
+PIN_ONE_CORE := $(if $(shell command -v taskset),taskset -c 0,)
+test-numerics: $(STAMP)
+	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=SSE4_2" \
+		$(PIN_ONE_CORE) $(PYTEST) $(NBVAL_DIR)
+	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2" \
+		$(PYTEST) $(NBVAL_DIR)
 
 notebooks: $(STAMP)
 	rm -rf $(NBVAL_DIR)/nbval-cache $(NBVAL_DIR)/nbval-run $(NBVAL_DIR)/nbval-profile
