@@ -27,6 +27,7 @@ def main() -> None:
         tokenizer_vocab_size=600, tokenize_workers=1, seed=5)
     experiment = Experiment.prepare(config)
     summary = experiment.train(progress=False)
+    sample = experiment.sample("Once upon a time", max_new_tokens=6)  # every host, as notebooks do
     saved = experiment.save()
     result = {
         "process": jax.process_index(),
@@ -39,6 +40,7 @@ def main() -> None:
         "final_eval_loss": summary["final_eval_loss"],
         "initial_eval_loss": summary["initial_eval_loss"],
         "saved": saved,
+        "sample": sample.record(),
     }
     with open(f"{work_dir}/result{process_id}.json", "w") as f:
         json.dump(result, f)

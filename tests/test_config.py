@@ -51,3 +51,15 @@ def test_unknown_parameter_is_rejected():
 def test_jupyter_renders_one_line():
     error = ConfigError("maxlen", "3 is too short", "use 256")
     assert error._render_traceback_() == ["ConfigError: maxlen: 3 is too short. Fix: use 256"]
+
+
+def test_from_parameters_takes_every_field_among_a_notebooks_variables():
+    """papermill injects any -p NAME VALUE: every field works, listed in the cell or not."""
+    namespace = {"model": "gemma3-tiny", "compute_dtype": "float32", "warmup_ratio": 0.2,
+                 "prompt": "not a field", "In": [], "profile_dir": "x"}
+    config = TrainConfig.from_parameters(namespace, output_dir="runs/p")
+    assert (config.compute_dtype, config.warmup_ratio, config.output_dir) == (
+        "float32", 0.2, "runs/p")
+    assert config.maxlen == TrainConfig().maxlen  # not given: the dataclass default
+    with pytest.raises(ConfigError, match="^compute_dtype: unknown dtype"):
+        TrainConfig.from_parameters({"compute_dtype": "fp8"})

@@ -47,6 +47,9 @@ def test_two_processes_share_one_global_batch(tmp_path, stories_file):
     assert len(results[0]["losses"]) == 6
     assert results[0]["final_eval_loss"] == results[1]["final_eval_loss"]
     assert results[0]["final_eval_loss"] < results[0]["initial_eval_loss"]
+    # Sampling (and scoring its margins) runs on every host alike.
+    assert results[0]["sample"] == results[1]["sample"]
+    assert results[0]["sample"]["text"].startswith(results[0]["sample"]["decided"])
     # Only process 0 wrote metrics; the Orbax save is collective and loadable.
     run = tmp_path / "run"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 6

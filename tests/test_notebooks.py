@@ -17,11 +17,12 @@ def test_train_notebook_runs_offline_end_to_end(tmp_path, cache_dir):
         str(NOTEBOOKS / "train.ipynb"), str(tmp_path / "train.out.ipynb"),
         parameters=dict(batch_size=8, maxlen=64, max_steps=6, eval_every=3, embedded_stories=300,
                         tokenizer_vocab_size=600, max_new_tokens=8, output_dir=str(output_dir),
-                        cache_dir=str(cache_dir)),
+                        cache_dir=str(cache_dir), warmup_ratio=0.25),  # a field not in the cell
         kernel_name="python3", progress_bar=False, cwd=str(tmp_path),
     )
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["steps"] == 6
+    assert summary["params"]["warmup_ratio"] == 0.25
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["data"]["embedded_corpus"] is True
     assert len((output_dir / "metrics.jsonl").read_text().splitlines()) == 6
