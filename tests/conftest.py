@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -32,6 +33,13 @@ def cache_dir(tmp_path_factory) -> Path:
 def stories_file(tmp_path_factory) -> Path:
     """A small TinyStories-format file from the embedded generator."""
     return corpus.write_corpus(tmp_path_factory.mktemp("data") / "stories.txt", 400, seed=1)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_text(path: Path, text: str | bytes) -> Path:

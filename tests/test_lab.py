@@ -9,7 +9,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -17,14 +16,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Lab:
@@ -48,7 +42,7 @@ class Lab:
 
 @pytest.fixture(scope="module")
 def lab():
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "LAB_PORT": str(port), "JUPYTER_TOKEN": token}
     process = subprocess.Popen([str(ROOT / "scripts" / "lab")], cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

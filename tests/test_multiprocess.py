@@ -2,27 +2,21 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from gemmalab import data
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_share_one_global_batch(tmp_path, stories_file):
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     workers = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port),
                                  str(stories_file), str(tmp_path)], env=env,
