@@ -38,7 +38,7 @@ def test_perplexity_before_and_after(run):
     compare.perplexity_figure(table)
 
 
-@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("chat", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_samples_side_by_side(run, chat):
     loaded, _ = run
     contenders = [compare.base_params(loaded), compare.finetuned_params(loaded)]
