@@ -116,37 +116,42 @@ def greedy_margins(model: Any, params: Any, prompt_tokens: list[int], generated:
     length = math.ceil(len(tokens) / SCORING_BUCKET) * SCORING_BUCKET
     ids = np.zeros((1, length), np.int32)
     ids[0, : len(tokens)] = tokens
-    logits = np.array(_scorer(model)(params, jnp.asarray(ids)), np.float32)[0]
+    margins = np.asarray(_scorer(model)(params, jnp.asarray(ids)), np.float32)
     # Position i predicts token i + 1: the generated tokens are predicted from len(prompt) - 1.
     first = len(prompt_tokens) - 1
-    rows = logits[first: first + len(generated)]
-    chosen = rows[np.arange(len(generated)), generated]
-    rows[np.arange(len(generated)), generated] = -np.inf
-    return chosen - rows.max(axis=-1)
+    return margins[first: first + len(generated)]
 
 
 _SCORERS: dict[int, tuple[Any, Any]] = {}
 
 
 def _scorer(model: Any) -> Any:
-    """One jit-compiled logits function per model (flax modules are not hashable)."""
+    """One jit-compiled margins function per model (flax modules are not hashable)."""
     import functools
 
     import jax
 
     if id(model) not in _SCORERS:
         # Holding the model keeps its id from being reused by another object.
-        _SCORERS[id(model)] = (model, jax.jit(functools.partial(_forward_logits, model)))
+        _SCORERS[id(model)] = (model, jax.jit(functools.partial(_next_token_margins, model)))
     return _SCORERS[id(model)][1]
 
 
-def _forward_logits(model: Any, params: Any, ids: Any) -> Any:
+def _next_token_margins(model: Any, params: Any, ids: Any) -> Any:
+    """``[L - 1]``: at each position, the next token's logit minus the best other logit.
+
+    Computed on the device: only L numbers come back, not L x vocabulary logits.
+    """
     import jax.numpy as jnp
 
     length = ids.shape[1]
     causal = jnp.tril(jnp.ones((length, length), bool))[None]
-    return model.apply({"params": params}, ids, positions=jnp.arange(length)[None],
-                       attention_mask=causal).logits
+    logits = model.apply({"params": params}, ids, positions=jnp.arange(length)[None],
+                         attention_mask=causal).logits[0, :-1].astype(jnp.float32)
+    targets = ids[0, 1:]
+    rows = jnp.arange(length - 1)
+    chosen = logits[rows, targets]
+    return chosen - logits.at[rows, targets].set(-jnp.inf).max(axis=-1)
 
 
 def _generated_tokens(row: np.ndarray, steps: int, stops: set[int]) -> list[int]:
