@@ -8,6 +8,7 @@ opens through the contents API, and a cell of it runs in that kernel.
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import time
@@ -119,3 +120,22 @@ def test_lab_serves_the_notebooks_and_runs_them_in_the_project_kernel(lab):
                      "import sys, gemmalab.config\n"
                      "print(model, maxlen, sys.version_info[:2] == (3, 12))")
     assert output.split() == ["gemma3-tiny", "256", "True"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="no headless Chromium here")
+def test_lab_renders_the_train_notebook_in_a_browser(lab, tmp_path):
+    """What a person sees: the notebook rendered by JupyterLab's own front end, kernel idle."""
+    import matplotlib.image
+
+    browser = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1400,900",
+               "--virtual-time-budget=15000"]
+    url = f"{lab.base}/lab/tree/train.ipynb?token={lab.token}"
+    dom = subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "Fine-tune a Gemma 3 model" in dom and "Idle" in dom
+    shot = tmp_path / "lab.png"
+    subprocess.run([*browser, f"--screenshot={shot}", url], capture_output=True, timeout=120,
+                   check=True)
+    pixels = matplotlib.image.imread(shot)
+    assert pixels.shape[:2] == (900, 1400) and pixels[..., :3].std() > 0.05
