@@ -24,8 +24,10 @@ def measure(model, params, device_mesh, batch, compute_dtype, steps: int) -> flo
     optimizer = training.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
                                         max_grad_norm=1.0)
     # The step donates its state: give each measurement its own copy of the weights.
-    state = training.init_state(jax.tree.map(jnp.copy, params), optimizer, device_mesh)
-    step = training.make_train_step(model, optimizer, schedule, compute_dtype, device_mesh)
+    state, shardings = training.init_state(jax.tree.map(jnp.copy, params), optimizer,
+                                           device_mesh)
+    step = training.make_train_step(model, optimizer, schedule, compute_dtype, device_mesh,
+                                    shardings)
     state, metrics = step(state, batch)  # compile
     jax.block_until_ready(metrics)
     started = time.perf_counter()

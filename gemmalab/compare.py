@@ -17,6 +17,7 @@ from gemmalab import (
     models,
     reports,
     sampling,
+    sharding,
     storage,
     training,
 )
@@ -124,17 +125,19 @@ def perplexity_table(run: Run, contenders: list[Contender]) -> Any:
     """Held-out (eval split) loss and perplexity under each contender (pandas)."""
     import pandas as pd
 
-    device_mesh = mesh.make_mesh()
+    device_mesh = mesh.make_mesh(run.config.mesh)
     batch_size = run.config.batch_size
     mesh.check_batch_size(batch_size, device_mesh)
     batches = data.eval_batches(run.data.cache.eval, maxlen=run.config.maxlen,
                                 batch_size=batch_size, packing=run.config.packing,
                                 process_index=jax.process_index(),
                                 process_count=jax.process_count())
-    step = training.make_eval_step(run.model, jnp.dtype(run.config.compute_dtype), device_mesh)
     rows = []
     for contender in contenders:
-        params = jax.device_put(contender.params, mesh.replicated(device_mesh))
+        shardings = sharding.param_sharding(contender.params, device_mesh)
+        step = training.make_eval_step(run.model, jnp.dtype(run.config.compute_dtype),
+                                       device_mesh, shardings)
+        params = jax.device_put(contender.params, shardings)
         loss, perplexity = training.evaluate(step, params, batches, device_mesh)
         rows.append({"model": contender.name, "eval loss": loss, "perplexity": perplexity})
     return pd.DataFrame(rows).set_index("model")

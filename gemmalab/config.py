@@ -55,6 +55,10 @@ class TrainConfig:
     param_dtype: str = "float32"  # Master weights and optimizer state.
     compute_dtype: str = "bfloat16"  # Matmuls; ~25% faster than float32 even on CPUs.
 
+    # Devices: axis name -> size over data / fsdp / tensor, -1 = the rest (gemmalab.mesh).
+    # None = {"data": -1}: every device data-parallel, weights replicated.
+    mesh: dict[str, int] | None = None
+
     # Bookkeeping.
     eval_every: int = 100  # 0 = evaluate only at the start and end.
     log_every: int = 10
@@ -148,6 +152,10 @@ class TrainConfig:
             "is below 1",
             "use e.g. 1000",
         )
+        if self.mesh is not None:
+            from gemmalab.mesh import check_shape
+
+            check_shape(self.mesh)
         require(bool(self.output_dir), "output_dir", "is empty", "name a directory for the run")
         require(bool(self.tokenizer), "tokenizer", "is empty", "use 'local', 'gemma3' or a path")
 

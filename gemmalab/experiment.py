@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab import checkpoints, data, mesh, models, sampling, storage, training
+from gemmalab import checkpoints, data, mesh, models, sampling, sharding, storage, training
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 
@@ -68,6 +68,7 @@ class Experiment:
     model_config: Any
     model: Any
     state: training.TrainState
+    state_shardings: training.TrainState
     optimizer: Any
     schedule: Any
     compute_dtype: Any
@@ -85,7 +86,7 @@ class Experiment:
     @classmethod
     def prepare(cls, config: TrainConfig) -> Experiment:
         """Validate everything, build data, tokenizer, model and state; compile nothing yet."""
-        device_mesh = mesh.make_mesh()
+        device_mesh = mesh.make_mesh(config.mesh)
         mesh.check_batch_size(config.batch_size, device_mesh)
         if storage.is_gcs(config.output_dir):
             storage.require_gcs_credentials("output_dir", config.output_dir)
@@ -130,9 +131,10 @@ class Experiment:
         optimizer = training.make_optimizer(schedule, weight_decay=config.weight_decay,
                                             b1=config.adam_b1, b2=config.adam_b2,
                                             max_grad_norm=config.max_grad_norm)
-        state = training.init_state(params, optimizer, device_mesh)
+        state, shardings = training.init_state(params, optimizer, device_mesh)
         return cls(config=config, mesh=device_mesh, tokenizer=tokenizer, tokenizer_info=info,
-                   model_config=model_config, model=model, state=state, optimizer=optimizer,
+                   model_config=model_config, model=model, state=state,
+                   state_shardings=shardings, optimizer=optimizer,
                    schedule=schedule, compute_dtype=jnp.dtype(config.compute_dtype),
                    train_iterator=iterator, eval_batches=evals, total_steps=total_steps,
                    steps_per_epoch=per_epoch, data_stats=stats, checkpoint_name=checkpoint.name)
@@ -159,7 +161,7 @@ class Experiment:
     def train_step(self) -> Any:
         """The jit-compiled, state-donating step: ``state, metrics = train_step(state, batch)``."""
         return training.make_train_step(self.model, self.optimizer, self.schedule,
-                                        self.compute_dtype, self.mesh)
+                                        self.compute_dtype, self.mesh, self.state_shardings)
 
     def next_batch(self) -> dict[str, Any]:
         """The next global batch, placed on the mesh (this process supplies its rows)."""
@@ -167,7 +169,8 @@ class Experiment:
 
     @functools.cached_property
     def eval_step(self) -> Any:
-        return training.make_eval_step(self.model, self.compute_dtype, self.mesh)
+        return training.make_eval_step(self.model, self.compute_dtype, self.mesh,
+                                       self.state_shardings.params)
 
     def evaluate(self) -> tuple[float, float]:
         """Eval loss and perplexity over the whole held-out split."""
@@ -275,6 +278,9 @@ class Experiment:
             "num_params": self.num_params,
             "peak_host_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+            "mesh": mesh.mesh_shape(self.mesh),
+            "params_bytes_per_device": sharding.shard_bytes(self.state.params),
+            "optimizer_bytes_per_device": sharding.shard_bytes(self.state.opt_state),
             "processes": jax.process_count(),
             "checkpoint": self.checkpoint_name,
             "tokenizer_vocab_size": self.tokenizer_info.vocab_size,

@@ -1,11 +1,15 @@
 """The one place that builds the device mesh and places batches on it.
 
-Today: a data-parallel axis over every device of every process. FSDP/tensor/multislice axes
-will be added here, so callers only ever see ``make_mesh`` and the shardings below.
+The mesh always has three named axes, ``data``, ``fsdp`` and ``tensor`` (size 1 when unused):
+``data`` replicates the weights and splits the batch; ``fsdp`` splits the batch and the weights
+(each device gathers a layer's weights when it needs them); ``tensor`` splits heads and widths
+within each example. ``gemmalab.sharding`` says which weight dimension goes where.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -15,15 +19,68 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gemmalab.errors import ConfigError
 
 DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
+TENSOR_AXIS = "tensor"
+AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
+# The batch is split over every axis that holds different examples.
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
+# One host: plain data parallelism. The weights are replicated, which is the fastest layout for
+# every model that fits a device (gemma3-tiny, 270m and 1b on a v6e chip); larger ones need fsdp.
+DEFAULT_SHAPE: dict[str, int] = {DATA_AXIS: -1}
 
 
-def make_mesh(devices: list[Any] | None = None) -> Mesh:
-    devices = devices if devices is not None else jax.devices()
-    return Mesh(np.asarray(devices), (DATA_AXIS,))
+def check_shape(shape: Mapping[str, int]) -> None:
+    """Names and sizes only (the device count is checked by ``make_mesh``)."""
+    if not isinstance(shape, Mapping) or not shape:
+        raise ConfigError("mesh", f"{shape!r} is not a mapping of axis names to sizes",
+                          'use e.g. {"data": -1} or {"data": 2, "fsdp": 4}')
+    for name, size in shape.items():
+        if name not in AXES:
+            raise ConfigError("mesh", f"unknown axis {name!r}", f"use axes from {AXES}")
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ConfigError("mesh", f"size {size!r} of {name!r} is not a positive integer",
+                              "use a positive size, or -1 for the rest of the devices")
+    if list(shape.values()).count(-1) > 1:
+        raise ConfigError("mesh", "more than one axis is -1", "give -1 to one axis at most")
+
+
+def resolve_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
+    """Every axis's size for ``num_devices`` devices (``-1``: what the others leave)."""
+    shape = dict(DEFAULT_SHAPE if shape is None else shape)
+    check_shape(shape)
+    known = math.prod(size for size in shape.values() if size != -1)
+    if -1 in shape.values():
+        if num_devices % known:
+            raise ConfigError("mesh", f"{shape} cannot fill {num_devices} devices "
+                              f"({num_devices} is not a multiple of {known})",
+                              f"make the fixed sizes divide {num_devices}")
+        shape = {name: num_devices // known if size == -1 else size
+                 for name, size in shape.items()}
+    elif known != num_devices:
+        raise ConfigError("mesh", f"{shape} uses {known} devices but there are {num_devices}",
+                          "make the sizes multiply to the device count, or set one to -1")
+    return {axis: shape.get(axis, 1) for axis in AXES}
+
+
+def make_mesh(shape: Mapping[str, int] | None = None, devices: list[Any] | None = None
+              ) -> Mesh:
+    """The mesh of ``devices`` (default: every device of every process) with ``shape``."""
+    from jax.experimental import mesh_utils
+
+    devices = list(devices) if devices is not None else jax.devices()
+    sizes = resolve_shape(shape, len(devices))
+    grid = mesh_utils.create_device_mesh([sizes[a] for a in AXES], devices,
+                                         allow_split_physical_axes=True)
+    return Mesh(np.asarray(grid), AXES)
+
+
+def mesh_shape(mesh: Mesh) -> dict[str, int]:
+    return {axis: int(mesh.shape[axis]) for axis in mesh.axis_names}
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    return mesh.shape[DATA_AXIS]
+    """How many ways the batch is split."""
+    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 
 
 def check_batch_size(batch_size: int, mesh: Mesh) -> None:
@@ -32,7 +89,7 @@ def check_batch_size(batch_size: int, mesh: Mesh) -> None:
         lower, upper = batch_size // size * size, -(-batch_size // size) * size
         suggestion = f"{upper}" if lower == 0 else f"{lower} or {upper}"
         raise ConfigError("batch_size", f"{batch_size} is not divisible by the data-parallel size "
-                          f"{size} ({jax.process_count()} process(es) x "
+                          f"{size} (mesh {mesh_shape(mesh)}; {jax.process_count()} process(es) x "
                           f"{jax.local_device_count()} device(s))", f"use e.g. {suggestion}")
 
 
@@ -41,10 +98,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
 def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """Assemble each process's rows into one global array sharded over the data axis."""
+    """Assemble each process's rows into one global array split over the batch axes."""
     sharding = batch_sharding(mesh)
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}

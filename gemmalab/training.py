@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gemmalab import sharding
 from gemmalab.mesh import batch_sharding, global_batch, replicated
 
 # Largest logits block the loss materialises (elements): 1 GiB in fp32.
@@ -121,9 +122,10 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
 
 
 def make_train_step(model: Any, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule, compute_dtype: Any, mesh: Any
+                    schedule: optax.Schedule, compute_dtype: Any, mesh: Any, state_shardings: Any
                     ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
-    """One jit-compiled step; the incoming state is donated (updated in place)."""
+    """One jit-compiled step; the incoming state is donated (updated in place) and keeps
+    ``state_shardings`` (from ``state_sharding``)."""
 
     def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         def loss_fn(params):
@@ -138,25 +140,46 @@ def make_train_step(model: Any, optimizer: optax.GradientTransformation,
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return jax.jit(step, donate_argnums=(0,),
-                   in_shardings=(replicated(mesh), batch_sharding(mesh)),
-                   out_shardings=(replicated(mesh), replicated(mesh)))
+                   in_shardings=(state_shardings, batch_sharding(mesh)),
+                   out_shardings=(state_shardings, replicated(mesh)))
 
 
-def make_eval_step(model: Any, compute_dtype: Any, mesh: Any
+def make_eval_step(model: Any, compute_dtype: Any, mesh: Any, params_shardings: Any
                    ) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]:
     def step(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         return forward_loss(model, params, batch, compute_dtype)
 
-    return jax.jit(step, in_shardings=(replicated(mesh), batch_sharding(mesh)),
+    return jax.jit(step, in_shardings=(params_shardings, batch_sharding(mesh)),
                    out_shardings=replicated(mesh))
 
 
-def init_state(params: Any, optimizer: optax.GradientTransformation, mesh: Any) -> TrainState:
-    """Place params replicated on the mesh and build the optimizer state there."""
-    params = jax.device_put(params, replicated(mesh))
-    opt_state = jax.jit(optimizer.init, out_shardings=replicated(mesh))(params)
-    return TrainState(step=jax.device_put(jnp.asarray(0, jnp.int32), replicated(mesh)),
-                      params=params, opt_state=opt_state)
+def state_sharding(params: Any, optimizer: optax.GradientTransformation, mesh: Any
+                   ) -> TrainState:
+    """Where each leaf of the train state lives: weights by ``sharding.RULES``, each optimizer
+    moment with its weight, counters replicated. ``params`` may be abstract."""
+    weights = sharding.param_sharding(params, mesh)
+    by_path = {sharding.dict_path(path): s
+               for path, s in jax.tree_util.tree_leaves_with_path(weights)}
+    shapes = {sharding.dict_path(path): leaf.shape
+              for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    opt_shape = jax.eval_shape(optimizer.init, params)
+
+    def moment(path: tuple, leaf: Any) -> Any:
+        key = sharding.dict_path(path)
+        return by_path[key] if shapes.get(key) == leaf.shape else replicated(mesh)
+
+    return TrainState(step=replicated(mesh), params=weights,
+                      opt_state=jax.tree_util.tree_map_with_path(moment, opt_shape))
+
+
+def init_state(params: Any, optimizer: optax.GradientTransformation, mesh: Any
+               ) -> tuple[TrainState, TrainState]:
+    """The state placed on the mesh by its shardings; returns ``(state, shardings)``."""
+    shardings = state_sharding(params, optimizer, mesh)
+    params = jax.device_put(params, shardings.params)
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+    step = jax.device_put(jnp.asarray(0, jnp.int32), shardings.step)
+    return TrainState(step=step, params=params, opt_state=opt_state), shardings
 
 
 def evaluate(eval_step: Callable, params: Any, batches: list[dict[str, np.ndarray]], mesh: Any,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemmalab import mesh, models, training
+from gemmalab import mesh, models, sharding, training
 
 
 def test_masked_cross_entropy_matches_a_hand_computed_reference():
@@ -77,8 +77,9 @@ def test_params_are_fp32_masters_and_a_step_learns():
     schedule = training.learning_rate_schedule(1e-2, 20, warmup_ratio=0.0, min_lr_ratio=1.0)
     optimizer = training.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
                                         max_grad_norm=1.0)
-    state = training.init_state(params, optimizer, device_mesh)
-    step = training.make_train_step(model, optimizer, schedule, jnp.bfloat16, device_mesh)
+    state, shardings = training.init_state(params, optimizer, device_mesh)
+    step = training.make_train_step(model, optimizer, schedule, jnp.bfloat16, device_mesh,
+                                    shardings)
     batch = mesh.global_batch(_batch(), device_mesh)
     losses = []
     for _ in range(8):
@@ -136,7 +137,8 @@ def test_packed_segments_do_not_see_each_other():
 def test_evaluate_counts_every_real_target():
     model, params = _tiny_setup()
     device_mesh = mesh.make_mesh()
-    eval_step = training.make_eval_step(model, jnp.float32, device_mesh)
+    eval_step = training.make_eval_step(model, jnp.float32, device_mesh,
+                                        sharding.param_sharding(params, device_mesh))
     batches = [_batch(seed=1), _batch(seed=2)]
     loss, perplexity = training.evaluate(eval_step, jax.device_put(params), batches, device_mesh)
     totals = [training.forward_loss(model, params, b, jnp.float32) for b in batches]
