@@ -28,8 +28,14 @@ def save_params(params: Any, path: str) -> str:
     return path
 
 
-def load_params(path: str, *, text_only: bool = False) -> Any:
-    """Read params written by ``save_params`` or published by Google (``gm.ckpts``)."""
+def load_params(path: str, *, text_only: bool = False, target: Any = None) -> Any:
+    """Read params written by ``save_params`` or published by Google (``gm.ckpts``).
+
+    ``target``: a tree of ``jax.ShapeDtypeStruct`` with shardings, like the model's params.
+    Each process then reads only its devices' shards, straight into place and in the target
+    dtype: no process or device holds the whole model. (gemma 4.0.1's own ``sharding=``
+    argument fails on its internal tree type; a target works.)
+    """
     gm = gemma_lib.gm()
 
-    return gm.ckpts.load_params(_absolute(path), text_only=text_only)
+    return gm.ckpts.load_params(_absolute(path), text_only=text_only, params=target)

@@ -123,7 +123,7 @@ class Experiment:
 
         param_dtype = jnp.dtype(config.param_dtype)
         model = models.build_model(model_config, param_dtype=param_dtype)
-        params = _initial_params(model, checkpoint, config, param_dtype)
+        params = _initial_params(model, checkpoint, config, param_dtype, device_mesh)
         peak_lr = config.learning_rate or models.PRESETS[config.model].default_learning_rate
         schedule = training.learning_rate_schedule(peak_lr, total_steps,
                                                    warmup_ratio=config.warmup_ratio,
@@ -362,16 +362,26 @@ def _load_tokenizer_everywhere(config: TrainConfig, corpus: data.Corpus, rule: d
 
 
 def _initial_params(model: Any, checkpoint: models.ResolvedCheckpoint, config: TrainConfig,
-                    param_dtype: Any) -> Any:
-    if not checkpoint.path:
-        return models.init_params(model, seed=config.seed, sample_length=config.maxlen)
+                    param_dtype: Any, device_mesh: Any) -> Any:
+    """Initial weights, created or read directly into their shards on ``device_mesh``."""
     dummy = jnp.zeros((1, config.maxlen), jnp.int32)
     expected = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), dummy))["params"]
-    loaded = checkpoints.load_params(checkpoint.path,
-                                     text_only=models.PRESETS[config.model].multimodal)
+    shardings = sharding.param_sharding(expected, device_mesh)
+    if not checkpoint.path:
+        return models.init_params(model, seed=config.seed, sample_length=config.maxlen,
+                                  shardings=shardings)
+    mismatch = ConfigError("checkpoint", f"{checkpoint.name} does not match {config.model}'s "
+                           "parameter shapes", "pick the checkpoint made for this model")
+    target = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, param_dtype,
+                                                                   sharding=where),
+                          expected, shardings)
+    try:
+        loaded = checkpoints.load_params(checkpoint.path, target=target,
+                                         text_only=models.PRESETS[config.model].multimodal)
+    except (ValueError, KeyError) as error:  # the checkpoint's tree does not fit the model's
+        raise mismatch from error
     if jax.tree.structure(loaded) != jax.tree.structure(expected) or any(
             a.shape != b.shape for a, b in zip(jax.tree.leaves(loaded),
                                                jax.tree.leaves(expected), strict=True)):
-        raise ConfigError("checkpoint", f"{checkpoint.name} does not match {config.model}'s "
-                          "parameter shapes", "pick the checkpoint made for this model")
-    return jax.tree.map(lambda p: jnp.asarray(p, param_dtype), loaded)
+        raise mismatch
+    return jax.tree.map(lambda p: p.astype(param_dtype), loaded)

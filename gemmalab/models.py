@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,7 +90,8 @@ _FAN_IN_AXES = {
 _RESIDUAL_OUTPUTS = ("attn_vec_einsum", "linear")
 
 
-def init_params(model: gm.nn.Transformer, *, seed: int, sample_length: int) -> Any:
+def init_params(model: gm.nn.Transformer, *, seed: int, sample_length: int,
+                shardings: Any = None) -> Any:
     """Random weights for training from scratch, drawn with fan-in scaling.
 
     gemma's modules draw every weight from N(0, 0.01), which suits loading checkpoints but
@@ -119,7 +121,8 @@ def init_params(model: gm.nn.Transformer, *, seed: int, sample_length: int) -> A
             std *= depth_scale
         return (jax.random.normal(key, weight.shape, jnp.float32) * std).astype(weight.dtype)
 
-    @jax.jit
+    # With ``shardings`` each device draws only its own shards: no device holds the whole model.
+    @functools.partial(jax.jit, out_shardings=shardings)
     def draw(key: Any) -> Any:
         init_key, rescale_key = jax.random.split(key)
         params = model.init(init_key, jnp.zeros((1, sample_length), jnp.int32))["params"]

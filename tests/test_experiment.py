@@ -87,6 +87,26 @@ def test_resume_from_saved_params(finished_run, tmp_path, cache_dir, stories_fil
     assert again.evaluate()[0] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
 
 
+def test_saved_params_load_straight_into_fsdp_shards(finished_run, tmp_path, cache_dir,
+                                                     stories_file):
+    _, summary, saved, _ = finished_run
+    again = Experiment.prepare(small_config(tmp_path, cache_dir, stories_file, checkpoint=saved,
+                                            mesh={"fsdp": -1}))
+    linear = again.state.params["layer_0"]["mlp"]["linear"]
+    assert linear.sharding.spec == ("tensor", "fsdp") or linear.sharding.spec[1] == "fsdp"
+    assert linear.addressable_shards[0].data.shape == (linear.shape[0], linear.shape[1] // 8)
+    # Another mesh sums in another order (bfloat16 compute): close, not bit-equal.
+    assert again.evaluate()[0] == pytest.approx(summary["final_eval_loss"], rel=5e-3)
+
+
+def test_a_checkpoint_of_another_model_is_a_one_line_error(finished_run, tmp_path, cache_dir,
+                                                           stories_file):
+    _, _, saved, _ = finished_run
+    with pytest.raises(ConfigError, match="^checkpoint: .* does not match gemma3-270m"):
+        Experiment.prepare(small_config(tmp_path, cache_dir, stories_file, checkpoint=saved,
+                                        model="gemma3-270m"))
+
+
 def test_sampling_before_and_after(finished_run):
     experiment, _, _, before = finished_run
     after = experiment.sample([PROMPT, "Tom had a"], max_new_tokens=8)
