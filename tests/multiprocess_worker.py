@@ -1,6 +1,9 @@
 """One process of a real multi-process JAX run on localhost (started by test_multiprocess.py).
 
-usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DATA_PATH WORK_DIR
+usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DATA_PATH WORK_DIR [fsdp]
+
+With ``fsdp``: 20 steps of the tiny model with fsdp spanning both processes, fed slices of fixed
+global batches (as test_sharding's one-process runs are), then a sharded Orbax save and restore.
 """
 
 import json
@@ -17,6 +20,9 @@ def main() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
                                num_processes=num_processes, process_id=process_id)
+
+    if sys.argv[6:] == ["fsdp"]:
+        return fsdp_across_processes(work_dir)
 
     from gemmalab.config import TrainConfig
     from gemmalab.experiment import Experiment
@@ -43,6 +49,34 @@ def main() -> None:
         "sample": sample.record(),
     }
     with open(f"{work_dir}/result{process_id}.json", "w") as f:
+        json.dump(result, f)
+
+
+def fsdp_across_processes(work_dir: str) -> None:
+    import jax
+    import numpy as np
+    from test_sharding import _train
+
+    from gemmalab import checkpoints, mesh
+
+    losses, state = _train({"fsdp": -1}, jax.devices())
+    device_mesh = mesh.make_mesh({"fsdp": -1})
+    assert dict(device_mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
+    linear = state.params["layer_0"]["mlp"]["linear"]
+    saved = checkpoints.save_params(state.params, f"{work_dir}/fsdp-params")
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          state.params)
+    restored = checkpoints.load_params(saved, target=target)
+    same = all(np.array_equal(np.asarray(a.data), np.asarray(b.data))
+               for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(restored),
+                               strict=True)
+               for a, b in zip(x.addressable_shards, y.addressable_shards, strict=True))
+    result = {"losses": losses.tolist(), "restored_equal": same,
+              "restored_sharding_equal": restored["layer_0"]["mlp"]["linear"].sharding
+              == linear.sharding,
+              "local_shard_shape": list(linear.addressable_shards[0].data.shape),
+              "global_shape": list(linear.shape)}
+    with open(f"{work_dir}/fsdp{jax.process_index()}.json", "w") as f:
         json.dump(result, f)
 
 

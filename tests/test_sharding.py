@@ -39,8 +39,11 @@ def _train(shape, devices, steps=20, compute_dtype=jnp.float32):
     step = training.make_train_step(model, optimizer, schedule, compute_dtype, device_mesh,
                                     shardings)
     losses = []
+    rows = 16 // jax.process_count()  # each process feeds its slice of the same global batch
     for i in range(steps):
-        batch = mesh.global_batch(_batch(rows=16, vocab=VOCAB, seed=i), device_mesh)
+        local = {k: v[jax.process_index() * rows:][:rows]
+                 for k, v in _batch(rows=16, vocab=VOCAB, seed=i).items()}
+        batch = mesh.global_batch(local, device_mesh)
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return np.asarray(losses), state
