@@ -125,7 +125,7 @@ def perplexity_table(run: Run, contenders: list[Contender]) -> Any:
     """Held-out (eval split) loss and perplexity under each contender (pandas)."""
     import pandas as pd
 
-    device_mesh = mesh.make_mesh(run.config.mesh)
+    device_mesh = mesh.make_mesh(run.config.mesh, num_slices=run.config.num_slices)
     batch_size = run.config.batch_size
     mesh.check_batch_size(batch_size, device_mesh)
     batches = data.eval_batches(run.data.cache.eval, maxlen=run.config.maxlen,

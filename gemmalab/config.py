@@ -58,6 +58,7 @@ class TrainConfig:
     # Devices: axis name -> size over data / fsdp / tensor, -1 = the rest (gemmalab.mesh).
     # None = {"data": -1}: every device data-parallel, weights replicated.
     mesh: dict[str, int] | None = None
+    num_slices: int = 1  # TPU slices (multislice): the data axis spans them, the rest stays inside
 
     # Bookkeeping.
     eval_every: int = 100  # 0 = evaluate only at the start and end.
@@ -152,6 +153,8 @@ class TrainConfig:
             "is below 1",
             "use e.g. 1000",
         )
+        require(self.num_slices >= 1, "num_slices", f"{self.num_slices} < 1",
+                "use 1, or the number of TPU slices")
         if self.mesh is not None:
             from gemmalab.mesh import check_shape
 

@@ -86,7 +86,7 @@ class Experiment:
     @classmethod
     def prepare(cls, config: TrainConfig) -> Experiment:
         """Validate everything, build data, tokenizer, model and state; compile nothing yet."""
-        device_mesh = mesh.make_mesh(config.mesh)
+        device_mesh = mesh.make_mesh(config.mesh, num_slices=config.num_slices)
         mesh.check_batch_size(config.batch_size, device_mesh)
         if storage.is_gcs(config.output_dir):
             storage.require_gcs_credentials("output_dir", config.output_dir)

@@ -62,16 +62,38 @@ def resolve_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str
     return {axis: shape.get(axis, 1) for axis in AXES}
 
 
-def make_mesh(shape: Mapping[str, int] | None = None, devices: list[Any] | None = None
-              ) -> Mesh:
-    """The mesh of ``devices`` (default: every device of every process) with ``shape``."""
+def make_mesh(shape: Mapping[str, int] | None = None, devices: list[Any] | None = None, *,
+              num_slices: int = 1) -> Mesh:
+    """The mesh of ``devices`` (default: every device of every process) with ``shape``.
+
+    With ``num_slices`` > 1 (multislice), ``shape`` describes one slice and the ``data`` axis
+    is multiplied across slices: only data-parallel gradient sums cross the slow data-center
+    network, fsdp and tensor traffic stays on each slice's own interconnect. Devices belong to
+    the slice their ``slice_index`` says (TPU); devices without one (CPU, simulated) are dealt
+    into ``num_slices`` consecutive groups.
+    """
     from jax.experimental import mesh_utils
 
     devices = list(devices) if devices is not None else jax.devices()
-    sizes = resolve_shape(shape, len(devices))
-    grid = mesh_utils.create_device_mesh([sizes[a] for a in AXES], devices,
-                                         allow_split_physical_axes=True)
-    return Mesh(np.asarray(grid), AXES)
+    slices = _slices(devices, num_slices)
+    sizes = resolve_shape(shape, len(slices[0]))
+    grids = [mesh_utils.create_device_mesh([sizes[a] for a in AXES], group,
+                                           allow_split_physical_axes=True) for group in slices]
+    return Mesh(np.concatenate(grids, axis=AXES.index(DATA_AXIS)), AXES)
+
+
+def _slices(devices: list[Any], num_slices: int) -> list[list[Any]]:
+    if not isinstance(num_slices, int) or num_slices < 1 or len(devices) % num_slices:
+        raise ConfigError("num_slices", f"{num_slices!r} does not divide {len(devices)} devices",
+                          "use the number of TPU slices the job runs on (1 for one slice)")
+    if all(getattr(d, "slice_index", None) is not None for d in devices):
+        indices = sorted({d.slice_index for d in devices})
+        if len(indices) != num_slices:
+            raise ConfigError("num_slices", f"{num_slices} given but the devices are on "
+                              f"{len(indices)} slice(s)", f"use num_slices={len(indices)}")
+        return [[d for d in devices if d.slice_index == i] for i in indices]
+    per_slice = len(devices) // num_slices
+    return [devices[i * per_slice:(i + 1) * per_slice] for i in range(num_slices)]
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:

@@ -28,10 +28,10 @@ def test_an_unknown_weight_is_an_error():
         sharding.param_sharding({"layer_0": {"lora_a": jnp.zeros((4, 4))}}, mesh.make_mesh())
 
 
-def _train(shape, devices, steps=20, compute_dtype=jnp.float32):
+def _train(shape, devices, steps=20, compute_dtype=jnp.float32, num_slices=1):
     model = models.build_model(models.model_config("gemma3-tiny", VOCAB), param_dtype=jnp.float32)
     params = models.init_params(model, seed=0, sample_length=16)
-    device_mesh = mesh.make_mesh(shape, devices)
+    device_mesh = mesh.make_mesh(shape, devices, num_slices=num_slices)
     schedule = training.learning_rate_schedule(3e-3, steps, warmup_ratio=0.1, min_lr_ratio=0.1)
     optimizer = training.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
                                         max_grad_norm=1.0)
@@ -108,3 +108,23 @@ def test_default_and_rest_of_the_devices():
     assert mesh.resolve_shape(None, 8) == {"data": 8, "fsdp": 1, "tensor": 1}
     assert mesh.resolve_shape({"fsdp": -1, "tensor": 2}, 8) == {"data": 1, "fsdp": 4, "tensor": 2}
     assert mesh.data_parallel_size(mesh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})) == 4
+
+
+def test_two_simulated_slices_put_data_parallelism_across_them(one_device):
+    """Multislice on simulated devices: fsdp inside each "slice" of 4, data across the 2."""
+    hybrid = mesh.make_mesh({"fsdp": -1}, num_slices=2)
+    assert mesh.mesh_shape(hybrid) == {"data": 2, "fsdp": 4, "tensor": 1}
+    ids = np.vectorize(lambda d: d.id)(hybrid.devices)
+    assert sorted(ids[0].ravel()) == [d.id for d in jax.devices()[:4]]  # slice 0 ...
+    assert sorted(ids[1].ravel()) == [d.id for d in jax.devices()[4:]]  # ... and slice 1
+    losses, state = _train({"fsdp": -1}, jax.devices(), num_slices=2)
+    np.testing.assert_allclose(losses, one_device[0], rtol=PARITY_RTOL[jnp.float32])
+    linear = state.params["layer_0"]["mlp"]["linear"]
+    assert linear.addressable_shards[0].data.shape == (linear.shape[0], linear.shape[1] // 4)
+
+
+def test_slices_must_divide_the_devices():
+    from gemmalab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^num_slices: 3 does not divide 8 devices"):
+        mesh.make_mesh(None, num_slices=3)
