@@ -127,11 +127,11 @@ def test_impossible_configs_fail_with_one_line_naming_the_parameter(fields, para
 
 def test_the_batch_error_suggests_a_batch_that_fits():
     with pytest.raises(ConfigError, match=r"params.batch_size: 100 is not divisible by the 16 "
-                       r"devices of 2 x v6e 2x4\. Fix: use a multiple of 16, e.g\. 96"):
+                       r"data-parallel ways of 2 x v6e 2x4\. Fix: use a multiple of 16, e.g\. 96"):
         ClusterConfig(accelerator="v6e", topology="2x4", num_slices=2,
                       params={"batch_size": 100})
     # The notebook's default batch (64) is checked too.
-    with pytest.raises(ConfigError, match="64 is not divisible by the 256 devices"):
+    with pytest.raises(ConfigError, match="64 is not divisible by the 256 data-parallel ways"):
         ClusterConfig(accelerator="v6e", topology="16x16")
 
 
@@ -176,3 +176,18 @@ def test_papermill_reads_back_exactly_the_values_given(monkeypatch):
     assert encode_parameter("checkpoint", "123") == ["-r", "checkpoint", "123"]
     with pytest.raises(ConfigError):
         encode_parameter("x", float("nan"))
+
+
+def test_mesh_and_any_train_field_are_passed_and_checked_against_the_slice():
+    from gemmalab.k8s import manifests
+
+    config = ClusterConfig(accelerator="v6e", topology="2x4", num_slices=2,
+                           params={"mesh": {"fsdp": -1}, "compute_dtype": "float32",
+                                   "batch_size": 16})
+    assert manifests.notebook_params(config)["num_slices"] == 2
+    # tensor=2 leaves 4 data-parallel ways on the 8 chips of a v6e 2x4.
+    with pytest.raises(ConfigError, match=r"^params\.batch_size: 6 is not divisible by the 4 "):
+        ClusterConfig(accelerator="v6e", topology="2x4",
+                      params={"mesh": {"data": -1, "tensor": 2}, "batch_size": 6})
+    with pytest.raises(ConfigError, match=r"^params\.mesh: .* uses 3 devices but there are 8"):
+        ClusterConfig(accelerator="v6e", topology="2x4", params={"mesh": {"data": 3}})

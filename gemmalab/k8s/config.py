@@ -167,7 +167,10 @@ class ClusterConfig:
         object.__setattr__(self, "params", types.MappingProxyType(dict(self.params)))
         # The repository's notebook when it is at hand (not inside the image): unknown names
         # would be injected by papermill and silently ignored by the notebook.
-        known = notebook_parameters() if self.notebook == NOTEBOOK else None
+        defaults = notebook_parameters() if self.notebook == NOTEBOOK else None
+        # The notebook takes the names of its parameters cell and every TrainConfig field.
+        known = (None if defaults is None
+                 else {*defaults, *(f.name for f in dataclasses.fields(TrainConfig))})
         for name in self.params:
             require(isinstance(name, str) and name.isidentifier(), "params",
                     f"{name!r} is not a parameter name", "use the notebook's variable names")
@@ -188,12 +191,25 @@ class ClusterConfig:
         except TypeError as e:
             raise ConfigError("params", f"a value has the wrong type ({e})",
                               "use the types of the notebook's defaults") from None
-        defaults = known or {}
-        batch = self.params.get("batch_size", defaults.get("batch_size", TrainConfig.batch_size))
-        require(batch % self.total_devices == 0, "params.batch_size",
-                f"{batch} is not divisible by the {self.total_devices} devices of "
-                f"{self.describe()}", f"use a multiple of {self.total_devices}, e.g. "
-                f"{max(1, round(batch / self.total_devices)) * self.total_devices}")
+        batch = self.params.get("batch_size",
+                                (defaults or {}).get("batch_size", TrainConfig.batch_size))
+        ways = self._data_parallel_size()
+        require(batch % ways == 0, "params.batch_size",
+                f"{batch} is not divisible by the {ways} data-parallel ways of "
+                f"{self.describe()}", f"use a multiple of {ways}, e.g. "
+                f"{max(1, round(batch / ways)) * ways}")
+
+    def _data_parallel_size(self) -> int:
+        """How many ways the batch splits on this cluster (the mesh's data x fsdp)."""
+        from gemmalab import mesh
+
+        per_slice = self.total_devices // self.num_slices
+        try:
+            sizes = mesh.resolve_shape(self.params.get("mesh"), per_slice)
+        except ConfigError as e:
+            raise ConfigError(f"params.{e.parameter}", f"{e.problem} (per slice of "
+                              f"{self.describe()})", e.fix) from None
+        return self.num_slices * sizes["data"] * sizes["fsdp"]
 
     def _check_lifecycle(self) -> None:
         for field in ("termination_grace_period_s", "backoff_limit", "max_restarts",

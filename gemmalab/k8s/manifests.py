@@ -41,6 +41,15 @@ def labels(config: ClusterConfig) -> dict[str, str]:
             INSTANCE_LABEL: config.job_name}
 
 
+def notebook_params(config: ClusterConfig) -> dict[str, Any]:
+    """The user's papermill parameters, plus what the cluster shape implies (multislice:
+    ``num_slices``, so the mesh's data axis spans the slices)."""
+    params = dict(config.params)
+    if config.num_slices > 1:
+        params.setdefault("num_slices", config.num_slices)
+    return params
+
+
 def _field_env(name: str, field_path: str) -> client.V1EnvVar:
     return client.V1EnvVar(name=name, value_from=client.V1EnvVarSource(
         field_ref=client.V1ObjectFieldSelector(field_path=field_path)))
@@ -119,7 +128,7 @@ def container(config: ClusterConfig) -> client.V1Container:
         command=ENTRYPOINT,
         args=papermill_argv(notebook=config.notebook, output_notebook=output_notebook(config),
                             output_dir=config.output_dir, cache_dir=CACHE_MOUNT,
-                            params=config.params),
+                            params=notebook_params(config)),
         env=_env(config),
         ports=_ports(config),
         # Requests = limits: the accelerator must be (extended resources allow nothing else),
