@@ -43,6 +43,7 @@ class TrainConfig:
 
     # Optimisation.
     batch_size: int = 64  # Global batch (rows) across all processes.
+    grad_accum_steps: int = 1  # Micro-batches per step: activation memory / this, same update.
     num_epochs: int = 1
     max_steps: int | None = None  # Caps the step count derived from num_epochs.
     learning_rate: float | None = None  # None = the preset's default.
@@ -82,6 +83,8 @@ class TrainConfig:
         )
         require(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1",
                 "use a positive batch")
+        require(self.grad_accum_steps >= 1, "grad_accum_steps", f"{self.grad_accum_steps} < 1",
+                "use 1 (no accumulation) or more micro-batches per step")
         if self.datacount is not None:
             require(
                 self.datacount > 0,

@@ -87,7 +87,7 @@ class Experiment:
     def prepare(cls, config: TrainConfig) -> Experiment:
         """Validate everything, build data, tokenizer, model and state; compile nothing yet."""
         device_mesh = mesh.make_mesh(config.mesh, num_slices=config.num_slices)
-        mesh.check_batch_size(config.batch_size, device_mesh)
+        mesh.check_batch_size(config.batch_size, device_mesh, config.grad_accum_steps)
         if storage.is_gcs(config.output_dir):
             storage.require_gcs_credentials("output_dir", config.output_dir)
         checkpoint = models.resolve_checkpoint(config.checkpoint, config.model)
@@ -161,7 +161,8 @@ class Experiment:
     def train_step(self) -> Any:
         """The jit-compiled, state-donating step: ``state, metrics = train_step(state, batch)``."""
         return training.make_train_step(self.model, self.optimizer, self.schedule,
-                                        self.compute_dtype, self.mesh, self.state_shardings)
+                                        self.compute_dtype, self.mesh, self.state_shardings,
+                                        grad_accum_steps=self.config.grad_accum_steps)
 
     def next_batch(self) -> dict[str, Any]:
         """The next global batch, placed on the mesh (this process supplies its rows)."""

@@ -105,14 +105,17 @@ def data_parallel_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 
 
-def check_batch_size(batch_size: int, mesh: Mesh) -> None:
-    size = data_parallel_size(mesh)
+def check_batch_size(batch_size: int, mesh: Mesh, grad_accum_steps: int = 1) -> None:
+    """Every device gets the same number of rows in each of the ``grad_accum_steps``."""
+    size = data_parallel_size(mesh) * grad_accum_steps
     if batch_size % size:
         lower, upper = batch_size // size * size, -(-batch_size // size) * size
         suggestion = f"{upper}" if lower == 0 else f"{lower} or {upper}"
+        accum = f" x grad_accum_steps {grad_accum_steps}" if grad_accum_steps > 1 else ""
         raise ConfigError("batch_size", f"{batch_size} is not divisible by the data-parallel size "
-                          f"{size} (mesh {mesh_shape(mesh)}; {jax.process_count()} process(es) x "
-                          f"{jax.local_device_count()} device(s))", f"use e.g. {suggestion}")
+                          f"{data_parallel_size(mesh)}{accum} (mesh {mesh_shape(mesh)}; "
+                          f"{jax.process_count()} process(es) x {jax.local_device_count()} "
+                          "device(s))", f"use e.g. {suggestion}")
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -122,26 +122,56 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
 
 
 def make_train_step(model: Any, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule, compute_dtype: Any, mesh: Any, state_shardings: Any
+                    schedule: optax.Schedule, compute_dtype: Any, mesh: Any, state_shardings: Any,
+                    *, grad_accum_steps: int = 1
                     ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
     """One jit-compiled step; the incoming state is donated (updated in place) and keeps
-    ``state_shardings`` (from ``state_sharding``)."""
+    ``state_shardings`` (from ``state_sharding``).
+
+    With ``grad_accum_steps`` > 1 the batch is processed in that many micro-batches, one after
+    the other, and their gradients summed: activations of one micro-batch at a time, the same
+    update (the loss is the mean over every loss-bearing token of the whole batch either way).
+    """
 
     def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
-        def loss_fn(params):
-            total, count = forward_loss(model, params, batch, compute_dtype)
-            return total / jnp.maximum(count, 1.0), count
-
-        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        (total, count), grads = summed_gradients(model, state.params, batch, compute_dtype,
+                                                 mesh, grad_accum_steps)
+        scale = 1.0 / jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g * scale, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "useful_tokens": count, "grad_norm": optax.tree.norm(grads),
-                   "learning_rate": schedule(state.step)}
+        metrics = {"loss": total * scale, "useful_tokens": count,
+                   "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return jax.jit(step, donate_argnums=(0,),
                    in_shardings=(state_shardings, batch_sharding(mesh)),
                    out_shardings=(state_shardings, replicated(mesh)))
+
+
+def summed_gradients(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
+                     mesh: Any, micro_batches: int) -> tuple[tuple[jax.Array, jax.Array], Any]:
+    """``((sum of NLL, loss-bearing targets), gradient of the sum)`` over ``micro_batches``."""
+    value_and_grad = jax.value_and_grad(
+        lambda p, b: forward_loss(model, p, b, compute_dtype), has_aux=True)
+    if micro_batches == 1:
+        (total, count), grads = value_and_grad(params, batch)
+        return (total, count), grads
+    # Micro-batch j takes rows j, j + n, j + 2n, ...: every device keeps working on its own rows.
+    split = jax.tree.map(
+        lambda x: x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:])
+        .swapaxes(0, 1), batch)
+
+    def accumulate(carry: Any, micro: dict[str, jax.Array]) -> tuple[Any, None]:
+        micro = jax.lax.with_sharding_constraint(micro, batch_sharding(mesh))
+        (total, count), grads = value_and_grad(params, micro)
+        sums, counts, summed = carry
+        return (sums + total, counts + count, jax.tree.map(jnp.add, summed, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+             jax.tree.map(jnp.zeros_like, params))
+    (total, count, grads), _ = jax.lax.scan(accumulate, zeros, split)
+    return (total, count), grads
 
 
 def make_eval_step(model: Any, compute_dtype: Any, mesh: Any, params_shardings: Any
