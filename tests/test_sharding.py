@@ -72,7 +72,7 @@ PARITY_RTOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 
 @pytest.mark.parametrize(("shape", "q_shard"), [
     pytest.param({"data": 8}, (4, 128, 32), marks=pytest.mark.slow),
-    ({"fsdp": 8}, (4, 16, 32)),
+    pytest.param({"fsdp": 8}, (4, 16, 32), marks=pytest.mark.slow),
     pytest.param({"tensor": 2, "data": 4}, (2, 128, 32), marks=pytest.mark.slow),
     ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 64, 32)),
 ])
