@@ -132,11 +132,12 @@ def perplexity_table(run: Run, contenders: list[Contender]) -> Any:
                                 batch_size=batch_size, packing=run.config.packing,
                                 process_index=jax.process_index(),
                                 process_count=jax.process_count())
+    # One architecture: one placement and one compiled step serve every contender.
+    shardings = sharding.param_sharding(contenders[0].params, device_mesh)
+    step = training.make_eval_step(run.model, jnp.dtype(run.config.compute_dtype), device_mesh,
+                                   shardings)
     rows = []
     for contender in contenders:
-        shardings = sharding.param_sharding(contender.params, device_mesh)
-        step = training.make_eval_step(run.model, jnp.dtype(run.config.compute_dtype),
-                                       device_mesh, shardings)
         params = jax.device_put(contender.params, shardings)
         loss, perplexity = training.evaluate(step, params, batches, device_mesh)
         rows.append({"model": contender.name, "eval loss": loss, "perplexity": perplexity})
