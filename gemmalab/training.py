@@ -155,8 +155,7 @@ def summed_gradients(model: Any, params: Any, batch: dict[str, jax.Array], compu
     value_and_grad = jax.value_and_grad(
         lambda p, b: forward_loss(model, p, b, compute_dtype), has_aux=True)
     if micro_batches == 1:
-        (total, count), grads = value_and_grad(params, batch)
-        return (total, count), grads
+        return value_and_grad(params, batch)
     # Micro-batch j takes rows j, j + n, j + 2n, ...: every device keeps working on its own rows.
     split = jax.tree.map(
         lambda x: x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:])
