@@ -13,6 +13,8 @@ from gemmalab.errors import ConfigError, require
 PRESET_NAMES = ("gemma3-tiny", "gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
 TOKENIZER_NAMES = ("local", "gemma3")
 DTYPES = ("float32", "bfloat16")
+# Rematerialisation of each transformer block in the backward pass (gemmalab.models.build_model).
+REMAT_POLICIES = ("none", "dots", "full")
 MIN_MAXLEN = 8
 
 
@@ -44,6 +46,7 @@ class TrainConfig:
     # Optimisation.
     batch_size: int = 64  # Global batch (rows) across all processes.
     grad_accum_steps: int = 1  # Micro-batches per step: activation memory / this, same update.
+    remat: str = "none"  # "none" | "dots" | "full": recompute blocks in backward, less memory.
     num_epochs: int = 1
     max_steps: int | None = None  # Caps the step count derived from num_epochs.
     learning_rate: float | None = None  # None = the preset's default.
@@ -83,6 +86,8 @@ class TrainConfig:
         )
         require(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1",
                 "use a positive batch")
+        require(self.remat in REMAT_POLICIES, "remat", f"unknown policy {self.remat!r}",
+                f"use one of {REMAT_POLICIES} ('full' saves the most memory)")
         require(self.grad_accum_steps >= 1, "grad_accum_steps", f"{self.grad_accum_steps} < 1",
                 "use 1 (no accumulation) or more micro-batches per step")
         if self.datacount is not None:

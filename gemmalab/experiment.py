@@ -122,7 +122,7 @@ class Experiment:
         stats.pop("key", None)
 
         param_dtype = jnp.dtype(config.param_dtype)
-        model = models.build_model(model_config, param_dtype=param_dtype)
+        model = models.build_model(model_config, param_dtype=param_dtype, remat=config.remat)
         params = _initial_params(model, checkpoint, config, param_dtype, device_mesh)
         peak_lr = config.learning_rate or models.PRESETS[config.model].default_learning_rate
         schedule = training.learning_rate_schedule(peak_lr, total_steps,

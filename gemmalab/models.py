@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gemmalab import gemma_lib, storage
-from gemmalab.config import PRESET_NAMES
+from gemmalab.config import PRESET_NAMES, REMAT_POLICIES
 from gemmalab.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -71,11 +71,49 @@ def model_config(preset_name: str, vocab_size: int) -> gm.nn.config.TransformerC
     return dataclasses.replace(base, vision_encoder=None)
 
 
-def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any) -> gm.nn.Transformer:
-    """A gemma Transformer for ``config`` whose ``init`` creates ``param_dtype`` weights."""
-    gm = gemma_lib.gm()
+def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
+                remat: str = "none") -> gm.nn.Transformer:
+    """A gemma Transformer for ``config`` whose ``init`` creates ``param_dtype`` weights.
 
-    return gm.nn.Transformer(config=config, dtype=param_dtype)
+    ``remat`` (``REMAT_POLICIES``) trades compute for activation memory in the backward pass:
+    ``"full"`` keeps only each block's input and recomputes the block, ``"dots"`` also keeps
+    the outputs of the weight matmuls (recomputing norms, attention scores and activations).
+    The weights and their names are the same whichever is chosen.
+    """
+    gm = gemma_lib.gm()
+    if remat not in REMAT_POLICIES:
+        raise ConfigError("remat", f"unknown policy {remat!r}", f"use one of {REMAT_POLICIES}")
+    if remat == "none":
+        return gm.nn.Transformer(config=config, dtype=param_dtype)
+    return _remat_transformer_class()(config=config, dtype=param_dtype, remat=remat)
+
+
+@functools.cache
+def _remat_transformer_class() -> type:
+    """gemma's Transformer whose blocks are rematerialised (``jax.checkpoint``) when training."""
+    import flax.linen as nn
+    import jax
+
+    gm = gemma_lib.gm()
+    policies = {"full": None,
+                "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+    def run_block(block: Any, x: Any, positions: Any, attention_mask: Any) -> Any:
+        return block(x, positions, None, attention_mask)[1]
+
+    class RematTransformer(gm.nn.Transformer):
+        remat: str = "full"
+
+        def _apply_attention(self, inputs: Any, cache: Any) -> tuple[Any, Any]:
+            if cache is not None:  # decoding with a KV cache: no backward pass to save for
+                return super()._apply_attention(inputs, cache)
+            remat_block = nn.remat(run_block, policy=policies[self.remat], prevent_cse=True)
+            x = inputs.embeddings
+            for block in self.blocks:
+                x = remat_block(block, x, inputs.positions, inputs.attention_mask)
+            return self.final_norm(x), {}
+
+    return RematTransformer
 
 
 # For random init: which axes of each weight are contracted with the layer's input (its fan-in).

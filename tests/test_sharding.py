@@ -9,6 +9,7 @@ from test_training import _batch
 
 from gemmalab import mesh, models, sharding, training
 from gemmalab.config import PRESET_NAMES
+from gemmalab.errors import ConfigError
 
 VOCAB = 64
 
@@ -30,8 +31,9 @@ def test_an_unknown_weight_is_an_error():
 
 
 def _train(shape, devices, steps=20, compute_dtype=jnp.float32, num_slices=1,
-           grad_accum_steps=1):
-    model = models.build_model(models.model_config("gemma3-tiny", VOCAB), param_dtype=jnp.float32)
+           grad_accum_steps=1, remat="none"):
+    model = models.build_model(models.model_config("gemma3-tiny", VOCAB), param_dtype=jnp.float32,
+                               remat=remat)
     params = models.init_params(model, seed=0, sample_length=16)
     device_mesh = mesh.make_mesh(shape, devices, num_slices=num_slices)
     schedule = training.learning_rate_schedule(3e-3, steps, warmup_ratio=0.1, min_lr_ratio=0.1)
@@ -156,3 +158,41 @@ def test_gradient_accumulation_gives_the_same_updates_with_less_activation_memor
         return step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(4) < 0.6 * temp_bytes(1)
+
+
+@pytest.mark.slow
+def test_remat_gives_the_same_updates_with_less_activation_memory(one_device):
+    """Recomputing blocks in the backward pass changes memory, not the 20 losses (float32); the
+    compiled step's temporaries shrink from none to dots to full."""
+    losses, _ = _train({"data": 2, "fsdp": 4}, jax.devices(), remat="full")
+    np.testing.assert_allclose(losses, one_device[0], rtol=PARITY_RTOL[jnp.float32])
+
+    device_mesh = mesh.make_mesh({"data": 2, "fsdp": 4})
+    batch = mesh.global_batch(_batch(rows=64, maxlen=128, vocab=VOCAB), device_mesh)
+    schedule = optax.constant_schedule(1e-3)
+    optimizer = training.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
+                                        max_grad_norm=1.0)
+
+    def temp_bytes(remat):
+        model = models.build_model(models.model_config("gemma3-tiny", VOCAB),
+                                   param_dtype=jnp.float32, remat=remat)
+        params = models.init_params(model, seed=0, sample_length=16)
+        state, shardings = training.init_state(params, optimizer, device_mesh)
+        step = training.make_train_step(model, optimizer, schedule, jnp.float32, device_mesh,
+                                        shardings)
+        return step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+
+    none, dots, full = temp_bytes("none"), temp_bytes("dots"), temp_bytes("full")
+    assert full < dots < 0.5 * none, (none, dots, full)
+
+
+def test_remat_keeps_the_weight_names_and_rejects_unknown_policies():
+    config = models.model_config("gemma3-tiny", VOCAB)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    plain = jax.eval_shape(models.build_model(config, param_dtype=jnp.float32).init,
+                           jax.random.key(0), tokens)
+    remat = jax.eval_shape(models.build_model(config, param_dtype=jnp.float32, remat="dots").init,
+                           jax.random.key(0), tokens)
+    assert jax.tree.structure(plain) == jax.tree.structure(remat)
+    with pytest.raises(ConfigError, match="^remat: unknown policy 'some'"):
+        models.build_model(config, param_dtype=jnp.float32, remat="some")
