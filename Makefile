@@ -15,13 +15,14 @@ export TF_CPP_MIN_LOG_LEVEL := 3
 
 DEMO_DIR ?= runs/demo
 
-.PHONY: help env demo test test-fast test-numerics lint lock notebooks lab image clean
+.PHONY: help env libtpu demo test test-fast test-numerics lint lock notebooks lab image clean
 
 help:
 	@echo "make demo   - set up, then fine-tune offline on the embedded corpus (notebooks/train.ipynb)"
 	@echo "make test   - set up, then run the test suite"
 	@echo "make test-fast     - the tests without notebooks and multi-process runs (~2 min)"
 	@echo "make test-numerics - the notebook regression tests under SSE4.2/1 core and AVX2 numerics"
+	@echo "make libtpu - the TPU compiler for exact memory plans (notebooks/plan.ipynb exact=True)"
 	@echo "make lint   - ruff"
 	@echo "make notebooks - re-execute the nbval regression copies in tests/notebooks/"
 	@echo "make lab    - JupyterLab on notebooks/ with the project's kernel (headless; LAB_IP, LAB_PORT)"
@@ -38,6 +39,19 @@ $(STAMP): $(UV) pyproject.toml uv.lock
 	touch $(STAMP)
 
 env: $(STAMP)
+
+# libtpu (the TPU compiler) for the memory planner's exact mode, outside .venv: only the
+# planner's compile subprocess loads it (gemmalab.plan finds it here), CPU runs never see it.
+LIBTPU := .libtpu
+$(LIBTPU)/.installed: $(STAMP) uv.lock
+	rm -rf $(LIBTPU) && mkdir -p $(LIBTPU)
+	$(UV) export --frozen --only-group tpu-compile --no-emit-project -o $(LIBTPU)/requirements.txt \
+		>/dev/null
+	$(UV) pip install --quiet --python $(VENV)/bin/python --target $(LIBTPU) \
+		-r $(LIBTPU)/requirements.txt
+	touch $@
+
+libtpu: $(LIBTPU)/.installed
 
 demo: $(STAMP)
 	mkdir -p $(DEMO_DIR)
@@ -56,7 +70,7 @@ PAPERMILL := $(NBVAL_ENV) $(VENV)/bin/papermill --cwd $(NBVAL_DIR) --no-progress
 
 PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider --nbval-sanitize-with $(NBVAL_DIR)/sanitize.cfg
 
-test: $(STAMP)
+test: $(STAMP) $(LIBTPU)/.installed
 	$(NBVAL_ENV) $(PYTEST) tests
 
 # The inner loop: everything but the notebooks, multi-process and server runs (~2 min).
@@ -101,4 +115,4 @@ image:
 	docker build --target $(TARGET) -t $(IMAGE) .
 
 clean:
-	rm -rf $(VENV) $(TOOLS) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) $(LIBTPU) runs .pytest_cache .ruff_cache

@@ -63,6 +63,8 @@ class TrainConfig:
     # None = {"data": -1}: every device data-parallel, weights replicated.
     mesh: dict[str, int] | None = None
     num_slices: int = 1  # TPU slices (multislice): the data axis spans them, the rest stays inside
+    # Refuse, before loading weights, a run whose memory plan (gemmalab.plan) exceeds the devices.
+    check_memory: bool = True
 
     # Bookkeeping.
     eval_every: int = 100  # 0 = evaluate only at the start and end.

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab import checkpoints, data, mesh, models, sampling, sharding, storage, training
+from gemmalab import checkpoints, data, mesh, models, plan, sampling, sharding, storage, training
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 
@@ -81,6 +81,7 @@ class Experiment:
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     eval_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    memory_plan: plan.MemoryPlan | None = None
 
     # -----------------------------------------------------------------------------------------
     @classmethod
@@ -91,6 +92,9 @@ class Experiment:
         if storage.is_gcs(config.output_dir):
             storage.require_gcs_credentials("output_dir", config.output_dir)
         checkpoint = models.resolve_checkpoint(config.checkpoint, config.model)
+        # Refused here, before the data is tokenized and the weights loaded.
+        devices = plan.attached_accelerator(list(device_mesh.devices.flat))
+        memory_plan = (plan.require_fits if config.check_memory else plan.estimate)(config, devices)
         prepared = prepare_data(config)
         cache, corpus, info, tokenizer = (prepared.cache, prepared.corpus, prepared.tokenizer_info,
                                           prepared.tokenizer)
@@ -137,7 +141,8 @@ class Experiment:
                    state_shardings=shardings, optimizer=optimizer,
                    schedule=schedule, compute_dtype=jnp.dtype(config.compute_dtype),
                    train_iterator=iterator, eval_batches=evals, total_steps=total_steps,
-                   steps_per_epoch=per_epoch, data_stats=stats, checkpoint_name=checkpoint.name)
+                   steps_per_epoch=per_epoch, data_stats=stats, checkpoint_name=checkpoint.name,
+                   memory_plan=memory_plan)
 
     # -----------------------------------------------------------------------------------------
     @property
@@ -282,6 +287,9 @@ class Experiment:
             "mesh": mesh.mesh_shape(self.mesh),
             "params_bytes_per_device": sharding.shard_bytes(self.state.params),
             "optimizer_bytes_per_device": sharding.shard_bytes(self.state.opt_state),
+            # The analytic plan beside what the runtime saw (TPU/GPU report a peak; CPUs don't).
+            "planned_bytes_per_device": self.memory_plan.per_device_bytes,
+            "peak_device_bytes": plan.peak_device_bytes(),
             "processes": jax.process_count(),
             "checkpoint": self.checkpoint_name,
             "tokenizer_vocab_size": self.tokenizer_info.vocab_size,

@@ -1,0 +1,572 @@
+"""Will a run fit? Per-device memory of a training run, before renting the slice.
+
+One description of the run (a ``TrainConfig``: model, mesh, batch, maxlen, remat, dtypes) and an
+accelerator (``"v6e:2x4"``, ``"v5p:2x2x2"``, ``"h200:8"``) give a ``MemoryPlan`` two ways:
+
+- ``estimate``, analytic and instant: weights, optimizer state and gradients from the real
+  parameter shapes cut by the real sharding rules (``gemmalab.sharding``), activations from a
+  per-token count of what the backward pass keeps for each remat policy, and the loss's logits
+  chunk. It needs no accelerator and is what ``train.ipynb`` checks before loading weights.
+- ``compile_plan``, exact (TPU targets): the real train step, lowered with abstract inputs and
+  compiled by libtpu for the topology, on a CPU-only machine; XLA's own memory analysis and
+  FLOP count. It runs in a subprocess (``python -m gemmalab.plan``) with libtpu from
+  ``.libtpu/`` (``make libtpu``), so the calling process never loads the TPU runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from gemmalab.config import TrainConfig
+from gemmalab.errors import ConfigError
+
+GIB = 1 << 30
+# A run "fits" when the plan stays under this share of the device's memory: the rest is the
+# runtime's own, fragmentation and the error of the estimate.
+USABLE_FRACTION = 0.95
+GEMMA3_VOCAB = 262_144
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    platform: str  # "tpu" | "gpu" | "cpu"
+    memory_gib: float  # HBM per chip
+    peak_tflops: float  # dense bf16 per chip
+    topology_dims: int = 0  # TPU: 2 (e.g. 2x4) or 3 (e.g. 2x2x2); 0 for GPUs
+
+
+CHIPS: dict[str, Chip] = {
+    "v4": Chip("tpu", 32, 275, 3),
+    "v5e": Chip("tpu", 16, 197, 2),
+    "v5p": Chip("tpu", 95, 459, 3),
+    "v6e": Chip("tpu", 32, 918, 2),
+    "h100": Chip("gpu", 79.6, 989),  # 81,559 MiB as the driver reports it
+    "h200": Chip("gpu", 140.4, 989),  # 143,771 MiB
+}
+# jax's device_kind of attached chips.
+DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
+                "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+ACCELERATOR_FIX = "use e.g. 'v6e:2x4', 'v5e:2x2', 'v5p:2x2x2', 'h100', 'h200' or 'h200:8'"
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """What the run would run on: a chip kind and how many (a TPU topology or a GPU count)."""
+
+    kind: str
+    chips: int
+    memory_bytes: int  # per chip
+    peak_flops: float | None  # per chip, None where unknown (CPU)
+    topology: str = ""  # libtpu's topology name, TPU only
+
+    @property
+    def platform(self) -> str:
+        return CHIPS[self.kind].platform if self.kind in CHIPS else "cpu"
+
+    @property
+    def name(self) -> str:
+        if self.topology:
+            return self.topology
+        return self.kind if self.chips == 1 else f"{self.kind}:{self.chips}"
+
+
+def parse_accelerator(spec: str) -> Accelerator:
+    """``"v6e:2x4"`` (TPU kind and topology; the kind alone is one chip) or ``"h200:8"``."""
+    text = str(spec).strip().lower()
+    kind, _, shape = text.partition(":")
+    if kind not in CHIPS:
+        raise ConfigError("accelerator", f"unknown accelerator {spec!r}", ACCELERATOR_FIX)
+    chip = CHIPS[kind]
+    if chip.platform == "gpu":
+        if shape and not shape.isdigit() or shape == "0":
+            raise ConfigError("accelerator", f"{spec!r}: a GPU count must be a positive integer",
+                              f"use e.g. '{kind}:8'")
+        chips, topology = int(shape or 1), ""
+    else:
+        shape = shape or "x".join(["1"] * chip.topology_dims)
+        if not re.fullmatch(r"[1-9]\d*(x[1-9]\d*)+", shape) or shape.count("x") + 1 != \
+                chip.topology_dims:
+            example = "2x4" if chip.topology_dims == 2 else "2x2x2"
+            raise ConfigError("accelerator", f"{spec!r} is not a {kind} topology",
+                              f"use {chip.topology_dims} chip counts, e.g. '{kind}:{example}'")
+        chips, topology = math.prod(int(n) for n in shape.split("x")), f"{kind}:{shape}"
+    return Accelerator(kind, chips, int(chip.memory_gib * GIB), chip.peak_tflops * 1e12,
+                       topology)
+
+
+def attached_accelerator(devices: list[Any] | None = None) -> Accelerator:
+    """The devices this process trains on; their memory as the runtime reports it.
+
+    CPU devices (simulated ones included) share the host's memory equally.
+    """
+    import jax
+
+    devices = list(devices) if devices is not None else jax.devices()
+    first = devices[0]
+    kind = DEVICE_KINDS.get(first.device_kind, "")
+    if not kind and first.platform == "gpu":
+        kind = next((k for k in ("h200", "h100") if k in first.device_kind.lower()), "")
+    stats = _memory_stats(first)
+    if first.platform == "cpu" or not kind:
+        memory = stats or host_memory_bytes() // max(jax.local_device_count(), 1)
+        return Accelerator(first.platform, len(devices), int(memory), None)
+    chip = CHIPS[kind]
+    return Accelerator(kind, len(devices), int(stats or chip.memory_gib * GIB),
+                       chip.peak_tflops * 1e12)
+
+
+def _memory_stats(device: Any) -> int:
+    try:
+        return int((device.memory_stats() or {}).get("bytes_limit", 0))
+    except Exception:  # CPU clients and some plugins have no memory stats
+        return 0
+
+
+def peak_device_bytes() -> int | None:
+    """The most memory a local device has held so far, where the runtime reports it."""
+    import jax
+
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # CPU clients and some plugins have no memory stats
+        return None
+    return int(stats["peak_bytes_in_use"]) if "peak_bytes_in_use" in stats else None
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan.
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device bytes of one training step, by part, against the device's memory."""
+
+    method: str  # "analytic" | "compiled"
+    model: str
+    accelerator: Accelerator
+    mesh: dict[str, int]
+    batch_size: int
+    maxlen: int
+    grad_accum_steps: int
+    remat: str
+    param_dtype: str
+    compute_dtype: str
+    breakdown: dict[str, int]  # part -> bytes per device
+    flops_per_step: float  # model FLOPs of the whole step, all devices
+    num_params: int
+    compile_seconds: float | None = None
+    analytic: MemoryPlan | None = None  # the estimate, beside a compiled plan
+
+    @property
+    def per_device_bytes(self) -> int:
+        return sum(self.breakdown.values())
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.accelerator.memory_bytes * USABLE_FRACTION)
+
+    @property
+    def fits(self) -> bool:
+        return self.per_device_bytes <= self.usable_bytes
+
+    @property
+    def step_seconds_at_peak(self) -> float | None:
+        """The step time at 100% MFU: a floor, for planning budgets."""
+        peak = self.accelerator.peak_flops
+        return self.flops_per_step / (peak * self.accelerator.chips) if peak else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "fits": self.fits,
+            "per_device_gib": round(self.per_device_bytes / GIB, 3),
+            "device_hbm_gib": round(self.accelerator.memory_bytes / GIB, 3),
+            "usable_gib": round(self.usable_bytes / GIB, 3),
+            "breakdown_gib": {k: round(v / GIB, 3) for k, v in self.breakdown.items()},
+            "breakdown_bytes": dict(self.breakdown),
+            "method": self.method,
+            "model": self.model,
+            "num_params": self.num_params,
+            "accelerator": self.accelerator.name,
+            "platform": self.accelerator.platform,
+            "chips": self.accelerator.chips,
+            "mesh": self.mesh,
+            "batch_size": self.batch_size,
+            "maxlen": self.maxlen,
+            "grad_accum_steps": self.grad_accum_steps,
+            "remat": self.remat,
+            "param_dtype": self.param_dtype,
+            "compute_dtype": self.compute_dtype,
+            "flops_per_step": self.flops_per_step,
+            "step_seconds_at_peak": self.step_seconds_at_peak,
+            "compile_seconds": self.compile_seconds,
+        }
+        if self.analytic is not None:
+            out["analytic"] = self.analytic.to_dict()
+        return out
+
+    def summary_line(self) -> str:
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (f"{self.model} on {self.accelerator.name} mesh {self.mesh}: "
+                f"{self.per_device_bytes / GIB:.2f} GiB per device of "
+                f"{self.usable_bytes / GIB:.2f} GiB usable -> {verdict} ({self.method})")
+
+
+def vocab_size_hint(config: TrainConfig) -> int:
+    """The embedding rows the run will have, known before the tokenizer is loaded."""
+    if config.model == "gemma3-tiny" and config.tokenizer == "local":
+        return config.tokenizer_vocab_size
+    return GEMMA3_VOCAB  # Gemma's tokenizer; the largest a custom one may be for tiny
+
+
+@functools.cache
+def abstract_params(model_config: Any, param_dtype: str) -> Any:
+    """The parameter tree's shapes and dtypes (traced, nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    from gemmalab import gemma_lib
+
+    model = gemma_lib.gm().nn.Transformer(config=model_config, dtype=jnp.dtype(param_dtype))
+    return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+
+
+def resolved_mesh(config: TrainConfig, chips: int) -> dict[str, int]:
+    from gemmalab import mesh
+
+    if chips % config.num_slices:
+        raise ConfigError("num_slices", f"{config.num_slices} does not divide {chips} chips",
+                          "use the number of slices the chips come in")
+    sizes = mesh.resolve_shape(config.mesh, chips // config.num_slices)
+    return {**sizes, mesh.DATA_AXIS: sizes[mesh.DATA_AXIS] * config.num_slices}
+
+
+def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
+    """The analytic plan: instant, no accelerator needed."""
+    import jax
+    import numpy as np
+    from jax.sharding import AbstractMesh
+
+    from gemmalab import mesh, models, sharding
+
+    if isinstance(accelerator, str):
+        accelerator = parse_accelerator(accelerator)
+    sizes = resolved_mesh(config, accelerator.chips)
+    abstract_mesh = AbstractMesh(tuple(sizes[a] for a in mesh.AXES), mesh.AXES)
+    data_ways = sizes[mesh.DATA_AXIS] * sizes[mesh.FSDP_AXIS]
+    if config.batch_size % (data_ways * config.grad_accum_steps):
+        raise ConfigError("batch_size", f"{config.batch_size} rows do not split over "
+                          f"{data_ways} data-parallel ways x {config.grad_accum_steps} "
+                          f"micro-batches (mesh {sizes})",
+                          f"use a multiple of {data_ways * config.grad_accum_steps}")
+    vocab = vocab_size_hint(config)
+    model_config = models.model_config(config.model, vocab)
+    params = abstract_params(model_config, config.param_dtype)
+    p_size = np.dtype(config.param_dtype).itemsize
+    c_size = np.dtype(jax.numpy.dtype(config.compute_dtype)).itemsize
+
+    shard_elements, layer_elements = 0, {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        spec = sharding.weight_spec(path, leaf.shape, abstract_mesh)
+        per_device = math.prod(dim // _ways(axis, sizes) for dim, axis in
+                               zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim, strict=False))
+        shard_elements += per_device
+        layer = sharding.dict_path(path)[0]
+        gathered = per_device * _ways_of(spec, sizes, mesh.FSDP_AXIS)
+        layer_elements[layer] = layer_elements.get(layer, 0) + gathered
+    num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
+    weights = shard_elements * p_size
+    # The largest block's weights, all-gathered over fsdp in the compute dtype, twice (forward
+    # and backward, or the next layer's prefetched while this one runs).
+    gathered = max(v for k, v in layer_elements.items() if k.startswith("layer_"))
+    breakdown = {
+        "params": weights,
+        "optimizer": 2 * weights,  # AdamW's two moments, in the params' dtype
+        "gradients": weights * (2 if config.grad_accum_steps > 1 else 1),
+        "compute_weights": (shard_elements * c_size if c_size != p_size else 0)
+        + 2 * gathered * c_size,
+        "activations": _activation_bytes(model_config, sizes, config, c_size),
+        "logits": _logits_bytes(config, sizes, vocab, data_ways),
+        "batch": 4 * 4 * config.batch_size // data_ways * config.maxlen,
+    }
+    return MemoryPlan(
+        method="analytic", model=config.model, accelerator=accelerator, mesh=sizes,
+        batch_size=config.batch_size, maxlen=config.maxlen,
+        grad_accum_steps=config.grad_accum_steps, remat=config.remat,
+        param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
+        breakdown=breakdown, flops_per_step=model_flops(model_config, num_params, config),
+        num_params=num_params)
+
+
+def _ways(axis: Any, sizes: dict[str, int]) -> int:
+    if axis is None:
+        return 1
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    return math.prod(sizes[a] for a in axes)
+
+
+def _ways_of(spec: Any, sizes: dict[str, int], name: str) -> int:
+    return sizes[name] if name in tuple(spec) else 1
+
+
+def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainConfig,
+                      c_size: int) -> int:
+    """What the backward pass keeps of one micro-batch, plus one block's working set."""
+    tensor = sizes["tensor"]
+
+    def split(n: int) -> int:
+        return n // tensor if n % tensor == 0 else n
+
+    d, hd, length = model_config.embed_dim, model_config.head_dim, config.maxlen
+    heads, kv_heads = split(model_config.num_heads), split(model_config.num_kv_heads)
+    ffw = split(model_config.hidden_dim)
+    rows = config.batch_size // (sizes["data"] * sizes["fsdp"] * config.grad_accum_steps)
+    tokens = rows * length
+    # Per token of one block: residual stream, norms, q/k/v (before and after QK-norm and RoPE),
+    # attention probabilities over the sequence, attention output, the gated MLP's four widths.
+    block = 10 * d + 4 * heads * hd + 4 * kv_heads * hd + 2 * heads * length + 4 * ffw
+    kept = {"none": block,
+            # the weight matmuls' outputs: q, k, v, attention output, gate and up, down
+            "dots": 2 * d + (heads + 2 * kv_heads) * hd + 2 * ffw,
+            "full": d}[config.remat]
+    layers = model_config.num_layers
+    working = 0 if config.remat == "none" else block  # one block recomputed at a time
+    return tokens * c_size * (layers * kept + working + block + 4 * d)
+
+
+def _logits_bytes(config: TrainConfig, sizes: dict[str, int], vocab: int, data_ways: int) -> int:
+    """The loss's logits chunk in float32: values, softmax and gradient."""
+    from gemmalab.training import LOSS_CHUNK_LOGITS
+
+    tokens = config.batch_size // config.grad_accum_steps * config.maxlen
+    chunk = max(1, min(tokens, LOSS_CHUNK_LOGITS // vocab))
+    vocab_shard = vocab // sizes["tensor"] if vocab % sizes["tensor"] == 0 else vocab
+    return 3 * 4 * -(-chunk // data_ways) * vocab_shard
+
+
+def model_flops(model_config: Any, num_params: int, config: TrainConfig) -> float:
+    """Training FLOPs of one step: 6 per weight per token (the tied embedding counted once, as
+    the output projection) plus attention's score and value products; remat's recompute is not
+    counted (these are the FLOPs MFU is measured against)."""
+    tokens = config.batch_size * config.maxlen
+    attention = (12 * model_config.num_layers * model_config.num_heads * model_config.head_dim
+                 * config.maxlen)
+    return float(tokens * (6 * num_params + attention))
+
+
+# ---------------------------------------------------------------------------------------------
+# What to change when it does not fit.
+
+
+def suggest_fit(config: TrainConfig, accelerator: Accelerator) -> tuple[dict[str, Any], MemoryPlan
+                                                                        ] | None:
+    """The smallest change (fsdp over every chip, then remat, then more micro-batches) that
+    fits, and its plan; None if nothing on this many chips does."""
+    candidates: list[dict[str, Any]] = []
+    for mesh_shape in (config.mesh, {"fsdp": -1}):
+        for remat in dict.fromkeys((config.remat, "dots", "full")):
+            accum = config.grad_accum_steps
+            while True:
+                candidates.append({"mesh": mesh_shape, "remat": remat, "grad_accum_steps": accum})
+                accum *= 2
+                if accum > config.batch_size:
+                    break
+    for change in candidates:
+        candidate = dataclasses.replace(config, **change)
+        try:
+            plan = estimate(candidate, accelerator)
+        except ConfigError:  # e.g. the batch does not split that many ways
+            continue
+        if plan.fits:
+            return {k: v for k, v in change.items() if getattr(config, k) != v}, plan
+    return None
+
+
+def chips_needed(config: TrainConfig, accelerator: Accelerator) -> int | None:
+    """The fewest chips (powers of two, up to 4096) of this kind on which the most frugal layout
+    fits: fsdp over every chip, full remat, one row per device."""
+    chips = accelerator.chips * 2
+    while chips <= 4096:
+        frugal = dataclasses.replace(config, mesh={"fsdp": -1}, remat="full", num_slices=1,
+                                     batch_size=chips, grad_accum_steps=1)
+        if estimate(frugal, dataclasses.replace(accelerator, chips=chips, topology="")).fits:
+            return chips
+        chips *= 2
+    return None
+
+
+def require_fits(config: TrainConfig, accelerator: Accelerator) -> MemoryPlan:
+    """The analytic plan, or a one-line ``ConfigError`` naming the change that fits."""
+    plan = estimate(config, accelerator)
+    if plan.fits:
+        return plan
+    where = (f"{accelerator.kind} device" if accelerator.platform != "cpu"
+             else "CPU device (host memory shared by the local devices)")
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in plan.breakdown.items() if v >= GIB / 10)
+    problem = (f"{config.model} needs ~{plan.per_device_bytes / GIB:.1f} GiB per device ({parts}) "
+               f"but a {where} has {plan.usable_bytes / GIB:.1f} GiB usable")
+    override = "or set check_memory=False to run anyway"
+    found = suggest_fit(config, accelerator)
+    if found:
+        change, fitted = found
+        words = ", ".join(f"{k}={v!r}" for k, v in change.items())
+        raise ConfigError(next(iter(change)), problem,
+                          f"use {words} (~{fitted.per_device_bytes / GIB:.1f} GiB), {override}")
+    needed = chips_needed(config, accelerator)
+    more = f"about {needed} chips of this kind" if needed else "a larger accelerator"
+    raise ConfigError("mesh", problem, f"nothing fits on {accelerator.chips} device(s): use "
+                      f"{more} with mesh={{'fsdp': -1}} and remat='full', {override}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The exact plan: libtpu compiles the real step for a TPU topology.
+
+
+def find_libtpu() -> str | None:
+    """libtpu.so: ``$GEMMALAB_LIBTPU``, ``$TPU_LIBRARY_PATH``, the checkout's ``.libtpu/`` (``make
+    libtpu``), or an installed ``libtpu`` package (TPU images)."""
+    import importlib.util
+
+    for variable in ("GEMMALAB_LIBTPU", "TPU_LIBRARY_PATH"):
+        path = os.environ.get(variable)
+        if path and Path(path).is_file():
+            return path
+    checkout = Path(__file__).resolve().parent.parent / ".libtpu" / "libtpu" / "libtpu.so"
+    if checkout.is_file():
+        return str(checkout)
+    spec = importlib.util.find_spec("libtpu")
+    if spec and spec.origin and (Path(spec.origin).parent / "libtpu.so").is_file():
+        return str(Path(spec.origin).parent / "libtpu.so")
+    return None
+
+
+def compile_plan(config: TrainConfig, accelerator: Accelerator | str, *,
+                 timeout_s: float = 3600) -> MemoryPlan:
+    """The exact plan: XLA's memory analysis of the step compiled by libtpu for the topology.
+
+    Runs ``python -m gemmalab.plan`` in a subprocess that loads libtpu (CPU-only machines
+    welcome); the analytic estimate rides along for comparison.
+    """
+    if isinstance(accelerator, str):
+        accelerator = parse_accelerator(accelerator)
+    analytic = estimate(config, accelerator)  # validates mesh and batch first, instantly
+    if accelerator.platform != "tpu":
+        raise ConfigError("exact", f"the exact plan compiles for TPUs, not {accelerator.kind}",
+                          "use exact=False (the analytic estimate) for GPUs")
+    library = find_libtpu()
+    if library is None:
+        raise ConfigError("exact", "libtpu (the TPU compiler) is not installed",
+                          "run `make libtpu`, or set GEMMALAB_LIBTPU to a libtpu.so")
+    # Compile-only: no chip is opened, so several planners may run at once (libtpu otherwise
+    # takes a machine-wide lock meant for processes that drive real chips).
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_LIBRARY_PATH": library,
+           "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": "", "TPU_SKIP_MDS_QUERY": "1",
+           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    request = json.dumps({"config": _plan_fields(config), "accelerator": accelerator.name})
+    result = subprocess.run([sys.executable, "-m", "gemmalab.plan", "--compile", request],
+                            env=env, capture_output=True, text=True, timeout=timeout_s)
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"compiling for {accelerator.name} failed:\n{tail}")
+    compiled = json.loads(result.stdout.strip().splitlines()[-1])
+    return dataclasses.replace(analytic, method="compiled", breakdown=compiled["breakdown"],
+                               flops_per_step=compiled["flops"],
+                               compile_seconds=compiled["seconds"], analytic=analytic)
+
+
+def _plan_fields(config: TrainConfig) -> dict[str, Any]:
+    names = ("model", "tokenizer", "tokenizer_vocab_size", "batch_size", "maxlen", "mesh",
+             "num_slices", "grad_accum_steps", "remat", "param_dtype", "compute_dtype")
+    return {name: getattr(config, name) for name in names}
+
+
+def _compile_here(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any]:
+    """In the subprocess: lower and compile the train step for the topology's devices."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.experimental import topologies
+
+    from gemmalab import mesh, models, training
+
+    start = time.perf_counter()
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=accelerator.topology)
+    device_mesh = mesh.make_mesh(config.mesh, topology.devices, num_slices=config.num_slices)
+    model_config = models.model_config(config.model, vocab_size_hint(config))
+    model = models.build_model(model_config, param_dtype=jnp.dtype(config.param_dtype),
+                               remat=config.remat)
+    params = abstract_params(model_config, config.param_dtype)
+    schedule = optax.constant_schedule(1e-5)
+    optimizer = training.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
+                                        max_grad_norm=1.0)
+    shardings = training.state_sharding(params, optimizer, device_mesh)
+    abstract_state = training.TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=params, opt_state=jax.eval_shape(optimizer.init, params))
+    abstract_state = jax.tree.map(
+        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+        abstract_state, shardings)
+    rows = jax.ShapeDtypeStruct((config.batch_size, config.maxlen), jnp.int32,
+                                sharding=mesh.batch_sharding(device_mesh))
+    batch = {name: rows for name in ("tokens", "positions", "targets", "segment_ids")}
+    step = training.make_train_step(model, optimizer, schedule, jnp.dtype(config.compute_dtype),
+                                    device_mesh, shardings,
+                                    grad_accum_steps=config.grad_accum_steps)
+    compiled = step.lower(abstract_state, batch).compile()
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    breakdown = {
+        "arguments": int(memory.argument_size_in_bytes),
+        "outputs_not_aliased": int(memory.output_size_in_bytes - memory.alias_size_in_bytes),
+        "temporaries": int(memory.temp_size_in_bytes),
+        "code": int(memory.generated_code_size_in_bytes),
+    }
+    # cost_analysis counts one device's program; the step's FLOPs are every device's.
+    flops = float(cost.get("flops", 0.0)) * len(topology.devices)
+    return {"breakdown": breakdown, "flops": flops, "seconds": time.perf_counter() - start}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Per-device memory of a gemmalab training run.")
+    parser.add_argument("--compile", metavar="JSON", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--accelerator", default="v6e")
+    parser.add_argument("--mesh", default=None, help='JSON, e.g. \'{"fsdp": -1}\'')
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--maxlen", type=int, default=256)
+    parser.add_argument("--remat", default="none")
+    parser.add_argument("--grad-accum-steps", type=int, default=1)
+    parser.add_argument("--exact", action="store_true", help="compile with libtpu (TPU only)")
+    args = parser.parse_args(argv)
+    if args.compile:
+        request = json.loads(args.compile)
+        config = TrainConfig(**request["config"])
+        print(json.dumps(_compile_here(config, parse_accelerator(request["accelerator"]))))
+        return
+    config = TrainConfig(model=args.model, mesh=json.loads(args.mesh) if args.mesh else None,
+                         batch_size=args.batch_size, maxlen=args.maxlen, remat=args.remat,
+                         grad_accum_steps=args.grad_accum_steps,
+                         tokenizer="local" if args.model == "gemma3-tiny" else "gemma3")
+    plan = (compile_plan if args.exact else estimate)(config, args.accelerator)
+    print(json.dumps(plan.to_dict(), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The memory planner: accelerators, the analytic plan against real shards, the refusal in
+Experiment.prepare, and the exact plan compiled by libtpu for a TPU topology."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from gemmalab import data, mesh, models, plan, sharding, training
+from gemmalab.config import TrainConfig
+from gemmalab.errors import ConfigError
+from gemmalab.experiment import Experiment
+
+GIB = plan.GIB
+
+
+@pytest.mark.parametrize(("spec", "chips", "memory_gib", "platform"), [
+    ("v6e:2x4", 8, 32, "tpu"), ("v6e", 1, 32, "tpu"), ("V5P:2x2x2", 8, 95, "tpu"),
+    ("v5e:4x4", 16, 16, "tpu"), ("h200", 1, 140.4, "gpu"), ("h100:8", 8, 79.6, "gpu"),
+])
+def test_accelerators(spec, chips, memory_gib, platform):
+    accelerator = plan.parse_accelerator(spec)
+    assert accelerator.chips == chips and accelerator.platform == platform
+    assert accelerator.memory_bytes == pytest.approx(memory_gib * GIB, rel=1e-6)
+    assert accelerator.peak_flops > 1e14
+
+
+@pytest.mark.parametrize(("spec", "fragment"), [
+    ("v7x:2x2", "unknown accelerator 'v7x:2x2'"), ("v6e:2x2x2", "is not a v6e topology"),
+    ("v5p:4x4", "is not a v5p topology"), ("h200:two", "a GPU count must be a positive integer"),
+])
+def test_bad_accelerators_are_one_line_errors(spec, fragment):
+    with pytest.raises(ConfigError, match="^accelerator: ") as error:
+        plan.parse_accelerator(spec)
+    assert fragment in str(error.value) and "Fix: " in str(error.value)
+
+
+def _tiny(**overrides):
+    values = dict(model="gemma3-tiny", tokenizer_vocab_size=600, batch_size=16, maxlen=64,
+                  compute_dtype="float32")
+    return TrainConfig(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("shape", [{"data": 8}, {"fsdp": 8}, {"data": 2, "fsdp": 2, "tensor": 2}])
+def test_weights_and_optimizer_bytes_are_those_of_the_real_shards(shape):
+    """The plan cuts the real parameter shapes with the real rules: its per-device params and
+    optimizer bytes are what init_state places on each of 8 CPU devices."""
+    config = _tiny(mesh=shape)
+    estimate = plan.estimate(config, plan.attached_accelerator())
+    model = models.build_model(models.model_config("gemma3-tiny", 600), param_dtype=jnp.float32)
+    params = models.init_params(model, seed=0, sample_length=8)
+    optimizer = training.make_optimizer(training.learning_rate_schedule(
+        1e-3, 10, warmup_ratio=0.0, min_lr_ratio=1.0), weight_decay=0.0, b1=0.9, b2=0.95,
+        max_grad_norm=1.0)
+    state, _ = training.init_state(params, optimizer, mesh.make_mesh(shape))
+    assert estimate.mesh == {**{"data": 1, "fsdp": 1, "tensor": 1}, **shape}
+    assert estimate.breakdown["params"] == sharding.shard_bytes(state.params)
+    # AdamW's moments, plus its step counters (a few bytes).
+    assert sharding.shard_bytes(state.opt_state) - estimate.breakdown["optimizer"] in range(0, 64)
+    assert estimate.num_params == models.parameter_count(params)
+
+
+def test_memory_moves_the_way_each_knob_says():
+    accelerator = plan.parse_accelerator("v6e:2x4")
+    base = _tiny(model="gemma3-1b", tokenizer="gemma3", batch_size=32, maxlen=512,
+                 compute_dtype="bfloat16")
+    parts = {name: plan.estimate(dataclasses.replace(base, **change), accelerator).breakdown
+             for name, change in {
+                 "data": {}, "fsdp": {"mesh": {"fsdp": -1}}, "dots": {"remat": "dots"},
+                 "full": {"remat": "full"}, "accum": {"grad_accum_steps": 4}}.items()}
+    assert parts["fsdp"]["params"] == pytest.approx(parts["data"]["params"] / 8, rel=0.01)
+    assert parts["fsdp"]["optimizer"] == 2 * parts["fsdp"]["params"]
+    assert parts["data"]["activations"] > parts["dots"]["activations"] > parts["full"][
+        "activations"]
+    assert parts["accum"]["activations"] < parts["data"]["activations"] / 3
+    assert parts["accum"]["gradients"] == 2 * parts["data"]["gradients"]  # the accumulator
+
+
+def test_flops_per_step_follow_six_n_t():
+    config = _tiny(model="gemma3-270m", tokenizer="gemma3", batch_size=8, maxlen=128)
+    estimate = plan.estimate(config, "v6e")
+    six_nt = 6 * estimate.num_params * 8 * 128
+    assert six_nt < estimate.flops_per_step < 1.2 * six_nt  # plus attention's share
+    assert estimate.step_seconds_at_peak == pytest.approx(
+        estimate.flops_per_step / 918e12, rel=1e-9)
+
+
+def test_a_plan_is_written_as_json_with_the_contract_keys():
+    document = json.loads(json.dumps(plan.estimate(_tiny(), "v6e:2x2").to_dict()))
+    assert document["fits"] is True and document["accelerator"] == "v6e:2x2"
+    assert document["per_device_gib"] == pytest.approx(
+        sum(document["breakdown_bytes"].values()) / GIB, abs=1e-3)
+    assert document["device_hbm_gib"] == 32 and document["mesh"] == {"data": 4, "fsdp": 1,
+                                                                   "tensor": 1}
+
+
+# --- the refusal --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def four_gib_devices(monkeypatch):
+    """8 CPU devices sharing a 32 GiB host: 4 GiB each, whatever this machine has."""
+    monkeypatch.setattr(plan, "host_memory_bytes", lambda: 8 * 4 * GIB)
+
+
+def test_the_fix_offered_is_the_first_layout_that_fits(four_gib_devices):
+    accelerator = plan.attached_accelerator()
+    assert accelerator.memory_bytes == 4 * GIB and accelerator.chips == 8
+    config = TrainConfig(model="gemma3-1b", tokenizer="gemma3", batch_size=8, maxlen=64)
+    with pytest.raises(ConfigError) as error:
+        plan.require_fits(config, accelerator)
+    message = str(error.value)
+    assert message.startswith("mesh: gemma3-1b needs ~") and "\n" not in message
+    assert "use mesh={'fsdp': -1} (~" in message and "check_memory=False" in message
+    fitted = plan.estimate(dataclasses.replace(config, mesh={"fsdp": -1}), accelerator)
+    assert fitted.fits and not plan.estimate(config, accelerator).fits
+
+
+def test_nothing_fits_names_how_many_chips_would(four_gib_devices):
+    config = TrainConfig(model="gemma3-27b", tokenizer="gemma3", batch_size=8, maxlen=64)
+    with pytest.raises(ConfigError, match=r"^mesh: .* nothing fits on 8 device\(s\): use about "
+                                          r"\d+ chips of this kind"):
+        plan.require_fits(config, plan.attached_accelerator())
+
+
+def test_training_refuses_before_tokenizing_or_loading_weights(four_gib_devices, monkeypatch,
+                                                               tmp_path):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("expensive work started")
+
+    monkeypatch.setattr(data, "load_or_build_token_cache", forbidden)
+    monkeypatch.setattr(data, "resolve_corpus", forbidden)
+    monkeypatch.setattr(models, "build_model", forbidden)
+    config = TrainConfig(model="gemma3-4b", tokenizer="gemma3", batch_size=8, maxlen=64,
+                         output_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="^mesh: gemma3-4b needs ~"):
+        Experiment.prepare(config)
+    # The override goes on to the data (and so meets the forbidden corpus).
+    with pytest.raises(AssertionError, match="expensive work started"):
+        Experiment.prepare(dataclasses.replace(config, check_memory=False))
+
+
+# --- the exact plan: libtpu compiles the step for a TPU topology on this CPU machine -------
+
+needs_libtpu = pytest.mark.skipif(plan.find_libtpu() is None,
+                                  reason="libtpu is not installed (`make libtpu`; x86-64 Linux)")
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_the_compiled_plan_sees_the_sharding_and_agrees_on_flops():
+    config = _tiny(batch_size=16, maxlen=128, compute_dtype="bfloat16")
+    replicated = plan.compile_plan(config, "v6e:2x2")
+    split = plan.compile_plan(dataclasses.replace(config, mesh={"fsdp": -1}), "v6e:2x2")
+    for compiled in (replicated, split):
+        assert compiled.method == "compiled" and compiled.fits
+        assert set(compiled.breakdown) == {"arguments", "outputs_not_aliased", "temporaries",
+                                           "code"}
+        analytic = compiled.analytic.breakdown
+        # Arguments are the state and the batch: at least the exact shard bytes (TPU layouts
+        # pad small dimensions), within the padding of the tiny preset's 32-wide heads.
+        state = analytic["params"] + analytic["optimizer"] + analytic["batch"]
+        assert state <= compiled.breakdown["arguments"] < 4 * state
+        assert compiled.flops_per_step == pytest.approx(compiled.analytic.flops_per_step,
+                                                        rel=0.25)
+    assert split.breakdown["arguments"] < 0.5 * replicated.breakdown["arguments"]
+
+
+def test_the_exact_plan_needs_a_tpu_target_and_libtpu(monkeypatch):
+    with pytest.raises(ConfigError, match="^exact: the exact plan compiles for TPUs, not h200"):
+        plan.compile_plan(_tiny(), "h200")
+    monkeypatch.setattr(plan, "find_libtpu", lambda: None)
+    with pytest.raises(ConfigError, match=r"^exact: libtpu .* Fix: run `make libtpu`"):
+        plan.compile_plan(_tiny(), "v6e")
