@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gemmalab.config import TrainConfig
+from gemmalab.config import REMAT_POLICIES, TrainConfig
 from gemmalab.errors import ConfigError
 
 GIB = 1 << 30
@@ -284,13 +284,14 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
                                zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim, strict=False))
         shard_elements += per_device
         layer = sharding.dict_path(path)[0]
-        gathered = per_device * _ways_of(spec, sizes, mesh.FSDP_AXIS)
-        layer_elements[layer] = layer_elements.get(layer, 0) + gathered
+        if mesh.FSDP_AXIS in tuple(spec):  # gathered whole before use
+            layer_elements[layer] = layer_elements.get(layer, 0) + per_device * sizes[
+                mesh.FSDP_AXIS]
     num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
     weights = shard_elements * p_size
     # The largest block's weights, all-gathered over fsdp in the compute dtype, twice (forward
     # and backward, or the next layer's prefetched while this one runs).
-    gathered = max(v for k, v in layer_elements.items() if k.startswith("layer_"))
+    gathered = max((v for k, v in layer_elements.items() if k.startswith("layer_")), default=0)
     breakdown = {
         "params": weights,
         "optimizer": 2 * weights,  # AdamW's two moments, in the params' dtype
@@ -317,10 +318,6 @@ def _ways(axis: Any, sizes: dict[str, int]) -> int:
     return math.prod(sizes[a] for a in axes)
 
 
-def _ways_of(spec: Any, sizes: dict[str, int], name: str) -> int:
-    return sizes[name] if name in tuple(spec) else 1
-
-
 def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainConfig,
                       c_size: int) -> int:
     """What the backward pass keeps of one micro-batch, plus one block's working set."""
@@ -334,9 +331,10 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
     ffw = split(model_config.hidden_dim)
     rows = config.batch_size // (sizes["data"] * sizes["fsdp"] * config.grad_accum_steps)
     tokens = rows * length
-    # Per token of one block: residual stream, norms, q/k/v (before and after QK-norm and RoPE),
-    # attention probabilities over the sequence, attention output, the gated MLP's four widths.
-    block = 10 * d + 4 * heads * hd + 4 * kv_heads * hd + 2 * heads * length + 4 * ffw
+    # Per token of one block, what XLA keeps for the backward pass (calibrated against the
+    # compiled step, docs/scaling.md): the block input, q/k/v, attention probabilities over the
+    # sequence, the attention output, the gated MLP's gate, up and activation.
+    block = 2 * d + 2 * heads * hd + 2 * kv_heads * hd + heads * length + 3 * ffw
     kept = {"none": block,
             # the weight matmuls' outputs: q, k, v, attention output, gate and up, down
             "dots": 2 * d + (heads + 2 * kv_heads) * hd + 2 * ffw,
@@ -347,13 +345,14 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
 
 
 def _logits_bytes(config: TrainConfig, sizes: dict[str, int], vocab: int, data_ways: int) -> int:
-    """The loss's logits chunk in float32: values, softmax and gradient."""
+    """The loss's logits chunk: float32 values and half as much again for the softmax and its
+    gradient (as compiled, docs/scaling.md)."""
     from gemmalab.training import LOSS_CHUNK_LOGITS
 
     tokens = config.batch_size // config.grad_accum_steps * config.maxlen
     chunk = max(1, min(tokens, LOSS_CHUNK_LOGITS // vocab))
     vocab_shard = vocab // sizes["tensor"] if vocab % sizes["tensor"] == 0 else vocab
-    return 3 * 4 * -(-chunk // data_ways) * vocab_shard
+    return 6 * -(-chunk // data_ways) * vocab_shard
 
 
 def model_flops(model_config: Any, num_params: int, config: TrainConfig) -> float:
@@ -392,6 +391,81 @@ def suggest_fit(config: TrainConfig, accelerator: Accelerator) -> tuple[dict[str
         if plan.fits:
             return {k: v for k, v in change.items() if getattr(config, k) != v}, plan
     return None
+
+
+def layouts(config: TrainConfig, accelerator: Accelerator) -> list[MemoryPlan]:
+    """The run's plan under its own mesh and under fsdp over every chip, each remat policy."""
+    plans = []
+    for mesh_shape in _unique([config.mesh, {"fsdp": -1}]):
+        for remat in REMAT_POLICIES:
+            try:
+                plans.append(estimate(dataclasses.replace(config, mesh=mesh_shape, remat=remat),
+                                      accelerator))
+            except ConfigError:  # the batch does not split over this layout
+                continue
+    return plans
+
+
+def _unique(items: list[Any]) -> list[Any]:
+    return [item for i, item in enumerate(items) if item not in items[:i]]
+
+
+TABLE_MODELS = ("gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
+# libtpu topology names of a slice of n chips.
+TOPOLOGIES = {"v6e": {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8",
+                      128: "8x16", 256: "16x16"},
+              "v5e": {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8",
+                      128: "8x16", 256: "16x16"},
+              "v5p": {1: "1x1x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"},
+              "v4": {1: "1x1x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}}
+
+
+def fit_table(kind: str = "v6e", chip_counts: tuple[int, ...] = (1, 4, 8, 16, 32),
+              maxlens: tuple[int, ...] = (256, 2048), batch_size: int = 32,
+              models: tuple[str, ...] = TABLE_MODELS) -> list[dict[str, Any]]:
+    """For each model x slice x maxlen: the first layout that fits (in ``suggest_fit``'s order,
+    from plain data parallelism), or the most frugal one's size when none does."""
+    rows = []
+    for model in models:
+        for maxlen in maxlens:
+            row: dict[str, Any] = {"model": model, "maxlen": maxlen}
+            for chips in chip_counts:
+                accelerator = parse_accelerator(f"{kind}:{TOPOLOGIES[kind][chips]}")
+                config = TrainConfig(model=model, tokenizer="gemma3", maxlen=maxlen,
+                                     batch_size=max(batch_size, chips))
+                first = estimate(config, accelerator)
+                found = (({}, first) if first.fits else suggest_fit(config, accelerator))
+                if found:
+                    change, fitted = found
+                    layout = _layout_words(fitted)
+                    row[f"{chips} chips"] = f"{layout}: {fitted.per_device_bytes / GIB:.1f} GiB"
+                else:
+                    frugal = estimate(dataclasses.replace(
+                        config, mesh={"fsdp": -1}, remat="full",
+                        grad_accum_steps=config.batch_size // chips), accelerator)
+                    row[f"{chips} chips"] = f"no ({frugal.per_device_bytes / GIB:.0f} GiB)"
+            rows.append(row)
+    return rows
+
+
+def _layout_words(memory_plan: MemoryPlan) -> str:
+    words = [f"{axis} {size}" for axis, size in memory_plan.mesh.items() if size > 1]
+    if memory_plan.remat != "none":
+        words.append(f"remat {memory_plan.remat}")
+    if memory_plan.grad_accum_steps > 1:
+        words.append(f"accum {memory_plan.grad_accum_steps}")
+    return ", ".join(words) or "1 chip"
+
+
+def write_json(memory_plan: MemoryPlan, output_dir: str) -> str:
+    """``output_dir/plan.json`` (local or gs://); returns its path."""
+    from etils import epath
+
+    directory = epath.Path(output_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "plan.json"
+    path.write_text(json.dumps(memory_plan.to_dict(), indent=1))
+    return str(path)
 
 
 def chips_needed(config: TrainConfig, accelerator: Accelerator) -> int | None:
@@ -554,7 +628,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--remat", default="none")
     parser.add_argument("--grad-accum-steps", type=int, default=1)
     parser.add_argument("--exact", action="store_true", help="compile with libtpu (TPU only)")
+    parser.add_argument("--table", action="store_true",
+                        help="markdown: what fits on 1-32 chips of --accelerator's kind")
     args = parser.parse_args(argv)
+    if args.table:
+        rows = fit_table(parse_accelerator(args.accelerator).kind)
+        print("| " + " | ".join(rows[0]) + " |")
+        print("|" + "---|" * len(rows[0]))
+        for row in rows:
+            print("| " + " | ".join(str(v) for v in row.values()) + " |")
+        return
     if args.compile:
         request = json.loads(args.compile)
         config = TrainConfig(**request["config"])

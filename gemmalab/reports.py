@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gemmalab.plan import MemoryPlan
     from gemmalab.sampling import Continuation
 
 # Output-metadata key under which continuations travel as data (see ``SamplesView``).
@@ -86,5 +87,51 @@ def loss_figure(history: list[dict[str, Any]], eval_history: list[dict[str, Any]
     axis.set_ylabel("cross-entropy (nats/token)")
     axis.grid(alpha=0.3)
     axis.legend()
+    figure.tight_layout()
+    return figure
+
+
+def plan_table(memory_plan: MemoryPlan) -> Any:
+    """Per-device GiB of each part of a memory plan, and the total against the device."""
+    import pandas as pd
+
+    gib = 1 << 30
+    rows = {part: size / gib for part, size in memory_plan.breakdown.items()}
+    rows["total"] = memory_plan.per_device_bytes / gib
+    rows["usable on the device"] = memory_plan.usable_bytes / gib
+    frame = pd.DataFrame({"GiB per device": pd.Series(rows)}).rename_axis("part")
+    if memory_plan.analytic is not None:  # a compiled plan: the estimate beside it
+        estimate = {part: size / gib for part, size in memory_plan.analytic.breakdown.items()}
+        estimate["total"] = memory_plan.analytic.per_device_bytes / gib
+        frame["analytic estimate"] = pd.Series(estimate)
+    return frame.round(3)
+
+
+def layouts_table(plans: list[MemoryPlan]) -> Any:
+    """One row per layout (mesh x remat): per-device GiB and whether it fits."""
+    import pandas as pd
+
+    return pd.DataFrame([{
+        "mesh": " ".join(f"{axis}={size}" for axis, size in p.mesh.items() if size > 1) or "1",
+        "remat": p.remat, "grad_accum_steps": p.grad_accum_steps,
+        "activations GiB": round(p.breakdown["activations"] / (1 << 30), 3),
+        "GiB per device": round(p.per_device_bytes / (1 << 30), 3), "fits": p.fits,
+    } for p in plans])
+
+
+def plan_figure(memory_plan: MemoryPlan) -> Any:
+    """A stacked bar of the plan's parts against the device's usable memory."""
+    import matplotlib.pyplot as plt
+
+    gib = 1 << 30
+    figure, axis = plt.subplots(figsize=(7, 2.8))
+    left = 0.0
+    for part, size in memory_plan.breakdown.items():
+        axis.barh([memory_plan.accelerator.name], [size / gib], left=left, label=part)
+        left += size / gib
+    axis.axvline(memory_plan.usable_bytes / gib, color="black", linestyle="--",
+                 label="usable")
+    axis.set_xlabel("GiB per device")
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.4), ncol=4, fontsize="small")
     figure.tight_layout()
     return figure

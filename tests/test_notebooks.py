@@ -57,3 +57,41 @@ def test_launch_notebook_renders_without_a_cluster(tmp_path):
     outputs = json.dumps([c.get("outputs", []) for c in text["cells"]])
     assert "kind: JobSet" in outputs and "nb-test" in outputs
     assert "submit=False: nothing was sent to the cluster." in outputs
+
+
+@pytest.mark.slow
+def test_plan_notebook_writes_the_contract(tmp_path):
+    """The fast path for a 4B model on a v6e slice, as a script would call it."""
+    import papermill
+
+    papermill.execute_notebook(
+        str(NOTEBOOKS / "plan.ipynb"), str(tmp_path / "plan.out.ipynb"),
+        parameters=dict(model="gemma3-4b", accelerator="v6e:2x4", mesh={"fsdp": -1},
+                        batch_size=16, maxlen=2048, remat="full", exact=False,
+                        output_dir=str(tmp_path / "plan")),
+        kernel_name="python3", progress_bar=False, cwd=str(tmp_path))
+    document = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert document["fits"] is True and document["method"] == "analytic"
+    assert document["device_hbm_gib"] == 32 and document["chips"] == 8
+    assert document["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and document["remat"] == "full"
+    assert 3 < document["per_device_gib"] < 30
+    assert set(document["breakdown_gib"]) >= {"params", "optimizer", "activations"}
+
+
+@pytest.mark.slow
+def test_plan_notebook_compiles_for_a_tpu_topology(tmp_path):
+    from gemmalab import plan
+
+    if plan.find_libtpu() is None:
+        pytest.skip("libtpu is not installed (`make libtpu`; x86-64 Linux)")
+    import papermill
+
+    papermill.execute_notebook(
+        str(NOTEBOOKS / "plan.ipynb"), str(tmp_path / "plan.out.ipynb"),
+        parameters=dict(model="gemma3-tiny", tokenizer_vocab_size=600, accelerator="v6e:2x2",
+                        batch_size=8, maxlen=128, exact=True, output_dir=str(tmp_path / "plan")),
+        kernel_name="python3", progress_bar=False, cwd=str(tmp_path))
+    document = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert document["method"] == "compiled" and document["fits"] is True
+    assert document["breakdown_bytes"]["arguments"] > 0 and document["flops_per_step"] > 0
+    assert document["analytic"]["method"] == "analytic"
