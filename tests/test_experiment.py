@@ -104,7 +104,7 @@ def test_a_checkpoint_of_another_model_is_a_one_line_error(finished_run, tmp_pat
     _, _, saved, _ = finished_run
     with pytest.raises(ConfigError, match="^checkpoint: .* does not match gemma3-270m"):
         Experiment.prepare(small_config(tmp_path, cache_dir, stories_file, checkpoint=saved,
-                                        model="gemma3-270m"))
+                                        model="gemma3-270m", mesh={"fsdp": -1}))
 
 
 def test_sampling_before_and_after(finished_run):
