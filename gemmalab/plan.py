@@ -277,30 +277,31 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
     p_size = np.dtype(config.param_dtype).itemsize
     c_size = np.dtype(jax.numpy.dtype(config.compute_dtype)).itemsize
 
-    shard_elements, layer_elements = 0, {}
+    shards = {}  # module (embedder, layer_0, ...) -> elements one device holds
+    gathered = {}  # module -> elements after the fsdp all-gather (weights split over fsdp)
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         spec = sharding.weight_spec(path, leaf.shape, abstract_mesh)
         per_device = math.prod(dim // _ways(axis, sizes) for dim, axis in
                                zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim, strict=False))
-        shard_elements += per_device
-        layer = sharding.dict_path(path)[0]
-        if mesh.FSDP_AXIS in tuple(spec):  # gathered whole before use
-            layer_elements[layer] = layer_elements.get(layer, 0) + per_device * sizes[
-                mesh.FSDP_AXIS]
+        module = sharding.dict_path(path)[0]
+        shards[module] = shards.get(module, 0) + per_device
+        if mesh.FSDP_AXIS in tuple(spec):
+            gathered[module] = gathered.get(module, 0) + per_device * sizes[mesh.FSDP_AXIS]
     num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
-    weights = shard_elements * p_size
-    # The largest block's weights, all-gathered over fsdp in the compute dtype, twice (forward
-    # and backward, or the next layer's prefetched while this one runs).
-    gathered = max((v for k, v in layer_elements.items() if k.startswith("layer_")), default=0)
+    weights = sum(shards.values()) * p_size
+    accumulating = config.grad_accum_steps > 1
     breakdown = {
         "params": weights,
         "optimizer": 2 * weights,  # AdamW's two moments, in the params' dtype
-        "gradients": weights * (2 if config.grad_accum_steps > 1 else 1),
-        "compute_weights": (shard_elements * c_size if c_size != p_size else 0)
-        + 2 * gathered * c_size,
+        # Gradients of the compute-dtype weights, all alive for the global-norm clip; a
+        # master-dtype accumulator besides them when micro-batches are summed.
+        "gradients": sum(shards.values()) * c_size + (weights if accumulating else 0),
+        "weight_copies": _weight_copy_bytes(shards, gathered, config.remat, p_size, c_size),
         "activations": _activation_bytes(model_config, sizes, config, c_size),
         "logits": _logits_bytes(config, sizes, vocab, data_ways),
         "batch": 4 * 4 * config.batch_size // data_ways * config.maxlen,
+        # The compiled program itself: 0.27-0.48 GiB in the compiled steps of docs/scaling.md.
+        "code": 0 if accelerator.platform == "cpu" else int(0.4 * GIB),
     }
     return MemoryPlan(
         method="analytic", model=config.model, accelerator=accelerator, mesh=sizes,
@@ -318,6 +319,22 @@ def _ways(axis: Any, sizes: dict[str, int]) -> int:
     return math.prod(sizes[a] for a in axes)
 
 
+def _weight_copy_bytes(shards: dict[str, int], gathered: dict[str, int], remat: str,
+                       p_size: int, c_size: int) -> int:
+    """Weights held besides the master copy, as the compiled steps show (docs/scaling.md).
+
+    The embedding's compute-dtype copy lives from the input lookup to the loss. Under fsdp the
+    embedding is also all-gathered (in the params' dtype) for that whole time, and so is every
+    block's weights without remat (the backward pass reuses the forward's gather); with remat
+    each block gathers again when recomputed, two blocks at a time.
+    """
+    embedding = shards.get("embedder", 0) * c_size + gathered.get("embedder", 0) * p_size
+    blocks = [n for k, n in gathered.items() if k.startswith("layer_")]
+    if remat == "none":
+        return embedding + sum(blocks) * p_size
+    return embedding + 2 * max(blocks, default=0) * c_size
+
+
 def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainConfig,
                       c_size: int) -> int:
     """What the backward pass keeps of one micro-batch, plus one block's working set."""
@@ -332,16 +349,18 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
     rows = config.batch_size // (sizes["data"] * sizes["fsdp"] * config.grad_accum_steps)
     tokens = rows * length
     # Per token of one block, what XLA keeps for the backward pass (calibrated against the
-    # compiled step, docs/scaling.md): the block input, q/k/v, attention probabilities over the
-    # sequence, the attention output, the gated MLP's gate, up and activation.
-    block = 2 * d + 2 * heads * hd + 2 * kv_heads * hd + heads * length + 3 * ffw
+    # compiled step, docs/scaling.md): the block input, q/k/v, the attention output, the gated
+    # MLP's gate, up and activation in the compute dtype, and the attention logits and
+    # probabilities over the sequence in float32.
+    block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw) * c_size
+    block += heads * length * 2 * 4
     kept = {"none": block,
             # the weight matmuls' outputs: q, k, v, attention output, gate and up, down
-            "dots": 2 * d + (heads + 2 * kv_heads) * hd + 2 * ffw,
-            "full": d}[config.remat]
+            "dots": (2 * d + (heads + 2 * kv_heads) * hd + 2 * ffw) * c_size,
+            "full": d * c_size}[config.remat]
     layers = model_config.num_layers
     working = 0 if config.remat == "none" else block  # one block recomputed at a time
-    return tokens * c_size * (layers * kept + working + block + 4 * d)
+    return tokens * (layers * kept + working + block + 4 * d * c_size)
 
 
 def _logits_bytes(config: TrainConfig, sizes: dict[str, int], vocab: int, data_ways: int) -> int:
@@ -430,7 +449,8 @@ def fit_table(kind: str = "v6e", chip_counts: tuple[int, ...] = (1, 4, 8, 16, 32
         for maxlen in maxlens:
             row: dict[str, Any] = {"model": model, "maxlen": maxlen}
             for chips in chip_counts:
-                accelerator = parse_accelerator(f"{kind}:{TOPOLOGIES[kind][chips]}")
+                shape = TOPOLOGIES[kind][chips] if kind in TOPOLOGIES else chips
+                accelerator = parse_accelerator(f"{kind}:{shape}")
                 config = TrainConfig(model=model, tokenizer="gemma3", maxlen=maxlen,
                                      batch_size=max(batch_size, chips))
                 first = estimate(config, accelerator)
