@@ -390,11 +390,12 @@ def model_flops(model_config: Any, num_params: int, config: TrainConfig) -> floa
 
 def suggest_fit(config: TrainConfig, accelerator: Accelerator) -> tuple[dict[str, Any], MemoryPlan
                                                                         ] | None:
-    """The smallest change (fsdp over every chip, then remat, then more micro-batches) that
-    fits, and its plan; None if nothing on this many chips does."""
+    """The first change that fits, and its plan, trying more micro-batches, then full remat,
+    then both again with fsdp over every chip; None if nothing on this many chips does."""
     candidates: list[dict[str, Any]] = []
     for mesh_shape in (config.mesh, {"fsdp": -1}):
-        for remat in dict.fromkeys((config.remat, "dots", "full")):
+        # Not "dots": compiled for TPU it saved nothing over "none" (docs/scaling.md).
+        for remat in dict.fromkeys((config.remat, "full")):
             accum = config.grad_accum_steps
             while True:
                 candidates.append({"mesh": mesh_shape, "remat": remat, "grad_accum_steps": accum})
