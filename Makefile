@@ -53,8 +53,9 @@ $(LIBTPU)/.installed: $(STAMP) uv.lock
 
 libtpu: $(LIBTPU)/.installed
 
+# A fresh run each time: a run directory that holds checkpoints would be resumed instead.
 demo: $(STAMP)
-	mkdir -p $(DEMO_DIR)
+	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	$(VENV)/bin/papermill notebooks/train.ipynb $(DEMO_DIR)/train.ipynb \
 		-p output_dir $(DEMO_DIR) --log-output --no-progress-bar
 	@$(VENV)/bin/python -m gemmalab.summary $(DEMO_DIR)/summary.json

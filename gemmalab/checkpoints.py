@@ -39,3 +39,114 @@ def load_params(path: str, *, text_only: bool = False, target: Any = None) -> An
     gm = gemma_lib.gm()
 
     return gm.ckpts.load_params(_absolute(path), text_only=text_only, params=target)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's own checkpoints: the whole train state and the data iterator, to resume from.
+
+CHECKPOINTS_DIR = "checkpoints"
+CONFIG_FILE = "train_config.json"
+# Fields a resumed run must share with the run that wrote the checkpoints: they decide the
+# state's shapes or which rows come next. (The mesh may change: Orbax restores into any
+# sharding. The schedule may change, e.g. more max_steps to train on.)
+RESUME_FIELDS = ("model", "maxlen", "batch_size", "packing", "seed", "data_path", "datacount",
+                 "embedded_stories", "eval_fraction", "max_eval_stories", "tokenizer",
+                 "tokenizer_vocab_size", "param_dtype")
+
+
+class TrainCheckpoints:
+    """``output_dir/checkpoints/<step>``: the train state and each process's data-iterator
+    position, saved asynchronously by Orbax (all processes together; each writes and later
+    reads only its own shards), the last ``keep`` kept.
+
+    Orbax writes a step into a temporary directory and renames it when complete, so a crash
+    mid-save leaves no half checkpoint under a step's name; ``restore_latest`` also falls back
+    past a finished checkpoint that no longer reads (e.g. a truncated file), with a warning.
+    """
+
+    def __init__(self, output_dir: str, *, keep: int, async_save: bool = True):
+        import orbax.checkpoint as ocp
+
+        self.directory = f"{_absolute(output_dir)}/{CHECKPOINTS_DIR}"
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True)
+        self._manager = ocp.CheckpointManager(self.directory, item_names=("state", "data"),
+                                              options=options)
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: Any, iterator: Any) -> None:
+        """Start saving ``step`` (returns once the state is copied off the devices)."""
+        import grain.checkpoint
+        import orbax.checkpoint as ocp
+
+        self._manager.save(step, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator)))
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def restore_latest(self, abstract_state: Any, iterator: Any) -> tuple[int, Any] | None:
+        """``(step, state)`` of the newest readable checkpoint, the iterator moved to its
+        position; None if there is none."""
+        import warnings
+
+        import grain.checkpoint
+        import orbax.checkpoint as ocp
+
+        for step in reversed(self.steps()):
+            try:
+                restored = self._manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    data=grain.checkpoint.CheckpointRestore(iterator)))
+            except Exception as error:  # unreadable: fall back to the one before
+                warnings.warn(f"checkpoint {self.directory}/{step} does not load "
+                              f"({type(error).__name__}: {str(error)[:200]}); trying an older "
+                              "one", stacklevel=2)
+                continue
+            return step, restored.state
+        return None
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def stored_config(output_dir: str) -> dict[str, Any] | None:
+    """The config an earlier run wrote beside its checkpoints, if any."""
+    import json
+
+    from etils import epath
+
+    path = epath.Path(_absolute(output_dir)) / CHECKPOINTS_DIR / CONFIG_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_config(output_dir: str, values: dict[str, Any]) -> None:
+    import json
+
+    from etils import epath
+
+    directory = epath.Path(_absolute(output_dir)) / CHECKPOINTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_FILE).write_text(json.dumps(values, indent=1))
+
+
+def check_resumable(values: dict[str, Any], stored: dict[str, Any], output_dir: str) -> None:
+    """One-line error naming the first field that differs from the checkpointed run's."""
+    from gemmalab.errors import ConfigError
+
+    for name in (*RESUME_FIELDS, "processes"):
+        if name in stored and stored[name] != values.get(name):
+            raise ConfigError(name, f"{values.get(name)!r} differs from {stored[name]!r} of the "
+                              f"run checkpointed in {output_dir}",
+                              f"use {name}={stored[name]!r} to resume it, or a new output_dir "
+                              "to start another run")
+
+
+def is_empty_dir(path: str) -> bool:
+    from etils import epath
+
+    directory = epath.Path(_absolute(path))
+    return not directory.exists() or not any(directory.iterdir())

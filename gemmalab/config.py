@@ -66,6 +66,11 @@ class TrainConfig:
     # Refuse, before loading weights, a run whose memory plan (gemmalab.plan) exceeds the devices.
     check_memory: bool = True
 
+    # Checkpoints and resume (output_dir/checkpoints): the whole train state and data position.
+    checkpoint_every: int = 200  # steps between saves (asynchronous); 0 = only at the end.
+    keep_checkpoints: int = 3  # newest checkpoints kept.
+    resume: bool = True  # continue from output_dir's latest checkpoint if there is one.
+
     # Bookkeeping.
     eval_every: int = 100  # 0 = evaluate only at the start and end.
     log_every: int = 10
@@ -147,6 +152,10 @@ class TrainConfig:
         )
         require(self.eval_every >= 0, "eval_every", "is negative",
                 "use 0 (end only) or a step count")
+        require(self.checkpoint_every >= 0, "checkpoint_every", "is negative",
+                "use 0 (save only at the end) or a step count such as 200")
+        require(self.keep_checkpoints >= 1, "keep_checkpoints", f"{self.keep_checkpoints} < 1",
+                "keep at least 1 checkpoint (3 is the default)")
         require(self.log_every >= 1, "log_every", "is below 1", "use e.g. 10")
         require(
             self.tokenizer_vocab_size >= 512,

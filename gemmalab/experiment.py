@@ -21,23 +21,38 @@ import numpy as np
 from gemmalab import checkpoints, data, mesh, models, plan, sampling, sharding, storage, training
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
+from gemmalab.preemption import Preempted, StopRequest
 
 FINAL_LOSS_WINDOW = 10
 
 
 class MetricsSink:
-    """``metrics.jsonl`` and ``eval.jsonl`` in ``output_dir``; only process 0 writes."""
+    """``metrics.jsonl`` and ``eval.jsonl`` in ``output_dir``; only process 0 writes.
 
-    def __init__(self, output_dir: str, enabled: bool):
+    Resuming at step N keeps every row up to N (read back into ``kept``) and drops the later
+    ones, which the resumed run computes again.
+    """
+
+    def __init__(self, output_dir: str, enabled: bool, *, resume_step: int | None = None):
+        from etils import epath
+
         self.enabled = enabled
         self.output_dir = output_dir
+        self.kept: dict[str, list[dict[str, Any]]] = {"metrics": [], "eval": []}
         self._files: dict[str, Any] = {}
+        directory = epath.Path(output_dir)
+        for name in self.kept:
+            path = directory / f"{name}.jsonl"
+            if resume_step is not None and path.exists():
+                rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+                self.kept[name] = [r for r in rows if r["step"] <= resume_step]
         if enabled:
-            from etils import epath
-
-            epath.Path(output_dir).mkdir(parents=True, exist_ok=True)
-            for name in ("metrics", "eval"):
-                self._files[name] = (epath.Path(output_dir) / f"{name}.jsonl").open("w")
+            directory.mkdir(parents=True, exist_ok=True)
+            for name, rows in self.kept.items():
+                # Rewritten rather than appended to: gs:// objects cannot be appended to.
+                self._files[name] = (directory / f"{name}.jsonl").open("w")
+                for row in rows:
+                    self._files[name].write(json.dumps(row) + "\n")
 
     def write(self, name: str, record: dict[str, Any]) -> None:
         if self.enabled:
@@ -82,6 +97,8 @@ class Experiment:
     eval_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     memory_plan: plan.MemoryPlan | None = None
+    checkpoints: checkpoints.TrainCheckpoints | None = None
+    start_step: int = 0  # > 0 when resumed from a checkpoint
 
     # -----------------------------------------------------------------------------------------
     @classmethod
@@ -95,6 +112,7 @@ class Experiment:
         # Refused here, before the data is tokenized and the weights loaded.
         devices = plan.attached_accelerator(list(device_mesh.devices.flat))
         memory_plan = (plan.require_fits if config.check_memory else plan.estimate)(config, devices)
+        previous = _previous_run(config)
         prepared = prepare_data(config)
         cache, corpus, info, tokenizer = (prepared.cache, prepared.corpus, prepared.tokenizer_info,
                                           prepared.tokenizer)
@@ -127,7 +145,6 @@ class Experiment:
 
         param_dtype = jnp.dtype(config.param_dtype)
         model = models.build_model(model_config, param_dtype=param_dtype, remat=config.remat)
-        params = _initial_params(model, checkpoint, config, param_dtype, device_mesh)
         peak_lr = config.learning_rate or models.PRESETS[config.model].default_learning_rate
         schedule = training.learning_rate_schedule(peak_lr, total_steps,
                                                    warmup_ratio=config.warmup_ratio,
@@ -135,14 +152,30 @@ class Experiment:
         optimizer = training.make_optimizer(schedule, weight_decay=config.weight_decay,
                                             b1=config.adam_b1, b2=config.adam_b2,
                                             max_grad_norm=config.max_grad_norm)
-        state, shardings = training.init_state(params, optimizer, device_mesh)
+        saved = checkpoints.TrainCheckpoints(config.output_dir, keep=config.keep_checkpoints)
+        dummy = jnp.zeros((1, config.maxlen), jnp.int32)
+        expected = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), dummy))["params"]
+        shardings = training.state_sharding(expected, optimizer, device_mesh)
+        abstract = training.abstract_state(expected, optimizer, shardings)
+        restored = saved.restore_latest(abstract, iterator) if previous else None
+        if restored:
+            start_step, state = restored
+            if jax.process_index() == 0:
+                print(f"resumed from step {start_step} ({saved.directory}/{start_step})")
+        else:
+            start_step = 0
+            params = _initial_params(model, checkpoint, config, param_dtype, device_mesh,
+                                     expected)
+            state, _ = training.init_state(params, optimizer, device_mesh)
+            if jax.process_index() == 0:
+                checkpoints.write_config(config.output_dir, _resume_values(config))
         return cls(config=config, mesh=device_mesh, tokenizer=tokenizer, tokenizer_info=info,
                    model_config=model_config, model=model, state=state,
                    state_shardings=shardings, optimizer=optimizer,
                    schedule=schedule, compute_dtype=jnp.dtype(config.compute_dtype),
                    train_iterator=iterator, eval_batches=evals, total_steps=total_steps,
                    steps_per_epoch=per_epoch, data_stats=stats, checkpoint_name=checkpoint.name,
-                   memory_plan=memory_plan)
+                   memory_plan=memory_plan, checkpoints=saved, start_step=start_step)
 
     # -----------------------------------------------------------------------------------------
     @property
@@ -194,11 +227,14 @@ class Experiment:
         from tqdm.auto import tqdm
 
         cfg = self.config
-        sink = MetricsSink(cfg.output_dir, enabled=self.is_main_process)
+        sink = MetricsSink(cfg.output_dir, enabled=self.is_main_process,
+                           resume_step=self.start_step or None)
+        self.history, self.eval_history = sink.kept["metrics"], sink.kept["eval"]
         train_step = self.train_step
-        initial_eval = self._record_eval(0, sink)
+        initial_eval = (self.eval_history[0] if self.eval_history
+                        else self._record_eval(0, sink))
         tokens_per_step = cfg.batch_size * cfg.maxlen
-        bar = tqdm(total=self.total_steps, desc="train", unit="step",
+        bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", unit="step",
                    disable=not (progress and self.is_main_process))
         pending: tuple | None = None
         started = last_done = time.perf_counter()
@@ -233,26 +269,46 @@ class Experiment:
                           f"{np.mean([r['useful_tokens_per_s'] for r in recent]):,.0f} "
                           "useful tokens/s")
 
-        for step in range(1, self.total_steps + 1):
-            wait_started = time.perf_counter()
-            batch = self.next_batch()
-            data_wait = time.perf_counter() - wait_started
-            self.state, metrics = train_step(self.state, batch)
-            if pending is not None:
-                finish(*pending)  # read step N-1 while step N runs: no idle device
-            pending = (step, metrics, data_wait)
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
-                finish(*pending)
-                pending = None
-                record = self._record_eval(step, sink)
-                report(step, record)
-                last_done = time.perf_counter()  # eval time is not a train step's time
+        with StopRequest() as stop:
+            for step in range(self.start_step + 1, self.total_steps + 1):
+                wait_started = time.perf_counter()
+                batch = self.next_batch()
+                data_wait = time.perf_counter() - wait_started
+                self.state, metrics = train_step(self.state, batch)
+                if pending is not None:
+                    finish(*pending)  # read step N-1 while step N runs: no idle device
+                pending = (step, metrics, data_wait)
+                # One process: every step; several: a collective, so every log_every steps.
+                stopping = ((jax.process_count() == 1 or step % cfg.log_every == 0)
+                            and stop.agreed())
+                if stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                    finish(*pending)  # its metrics are on disk before the checkpoint claims them
+                    pending = None
+                    sink.flush()
+                    self.checkpoints.save(step, self.state, self.train_iterator)
+                if stopping:
+                    self.checkpoints.wait()
+                    sink.close()
+                    bar.close()
+                    raise Preempted(step, f"{self.checkpoints.directory}/{step}")
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
+                    if pending is not None:
+                        finish(*pending)
+                        pending = None
+                    record = self._record_eval(step, sink)
+                    report(step, record)
+                    last_done = time.perf_counter()  # eval time is not a train step's time
         if pending is not None:
             finish(*pending)
         train_seconds = time.perf_counter() - started
         final_eval = self._record_eval(self.total_steps, sink)
         report(self.total_steps, final_eval)
         bar.close()
+        sink.flush()
+        self.checkpoints.wait()
+        if self.total_steps not in self.checkpoints.steps():
+            self.checkpoints.save(self.total_steps, self.state, self.train_iterator)
+            self.checkpoints.wait()
         self.summary = self._summary(initial_eval, final_eval, train_seconds)
         sink.write_json("summary.json", self.summary)
         sink.close()
@@ -370,11 +426,28 @@ def _load_tokenizer_everywhere(config: TrainConfig, corpus: data.Corpus, rule: d
     return load(False)
 
 
+def _resume_values(config: TrainConfig) -> dict[str, Any]:
+    return {**config.to_dict(), "processes": jax.process_count()}
+
+
+def _previous_run(config: TrainConfig) -> dict[str, Any] | None:
+    """The checkpointed run in ``output_dir`` that this one continues, checked to match."""
+    stored = checkpoints.stored_config(config.output_dir)
+    if stored is not None and not config.resume:
+        raise ConfigError("resume", f"{config.output_dir} holds the checkpoints of an earlier "
+                          "run", "use resume=True to continue it, or a new output_dir")
+    if stored is None and not config.resume and not checkpoints.is_empty_dir(config.output_dir):
+        raise ConfigError("resume", f"resume=False but {config.output_dir} is not empty",
+                          "use a new or empty output_dir")
+    if stored is not None:
+        checkpoints.check_resumable(_resume_values(config), stored, config.output_dir)
+    return stored
+
+
 def _initial_params(model: Any, checkpoint: models.ResolvedCheckpoint, config: TrainConfig,
-                    param_dtype: Any, device_mesh: Any) -> Any:
-    """Initial weights, created or read directly into their shards on ``device_mesh``."""
-    dummy = jnp.zeros((1, config.maxlen), jnp.int32)
-    expected = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), dummy))["params"]
+                    param_dtype: Any, device_mesh: Any, expected: Any) -> Any:
+    """Initial weights, created or read directly into their shards on ``device_mesh``
+    (``expected``: the params' abstract tree)."""
     shardings = sharding.param_sharding(expected, device_mesh)
     if not checkpoint.path:
         return models.init_params(model, seed=config.seed, sample_length=config.maxlen,

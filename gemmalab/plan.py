@@ -609,12 +609,7 @@ def _compile_here(config: TrainConfig, accelerator: Accelerator) -> dict[str, An
     optimizer = training.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
                                         max_grad_norm=1.0)
     shardings = training.state_sharding(params, optimizer, device_mesh)
-    abstract_state = training.TrainState(
-        step=jax.ShapeDtypeStruct((), jnp.int32),
-        params=params, opt_state=jax.eval_shape(optimizer.init, params))
-    abstract_state = jax.tree.map(
-        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
-        abstract_state, shardings)
+    abstract_state = training.abstract_state(params, optimizer, shardings)
     rows = jax.ShapeDtypeStruct((config.batch_size, config.maxlen), jnp.int32,
                                 sharding=mesh.batch_sharding(device_mesh))
     batch = {name: rows for name in ("tokens", "positions", "targets", "segment_ids")}

@@ -201,6 +201,17 @@ def state_sharding(params: Any, optimizer: optax.GradientTransformation, mesh: A
                       opt_state=jax.tree_util.tree_map_with_path(moment, opt_shape))
 
 
+def abstract_state(params: Any, optimizer: optax.GradientTransformation, shardings: TrainState
+                   ) -> TrainState:
+    """The train state as ``jax.ShapeDtypeStruct`` leaves with their shardings (nothing
+    allocated): what a compile or a checkpoint restore targets. ``params`` may be abstract."""
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                        opt_state=jax.eval_shape(optimizer.init, params))
+    return jax.tree.map(
+        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+        shapes, shardings)
+
+
 def init_state(params: Any, optimizer: optax.GradientTransformation, mesh: Any
                ) -> tuple[TrainState, TrainState]:
     """The state placed on the mesh by its shardings; returns ``(state, shardings)``."""

@@ -26,6 +26,7 @@ import difflib
 import html
 import math
 import re
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -192,8 +193,22 @@ class TolerantCell(IPyNbCell):
         return self.config.getoption("nbval_rtol")
 
 
+# What the copies write beside themselves (train.ipynb's run, profile.ipynb's trace). Each pass
+# starts without them: a run directory holding checkpoints would be resumed, not trained again.
+RUN_OUTPUTS = ("nbval-run", "nbval-profile")
+_CLEANED: set[Path] = set()
+
+
 class TolerantNotebook(IPyNbFile):
     """nbval's notebook collector, yielding ``TolerantCell`` items (marked slow)."""
+
+    def setup(self) -> None:
+        directory = self.path.parent
+        if directory not in _CLEANED:
+            _CLEANED.add(directory)
+            for name in RUN_OUTPUTS:
+                shutil.rmtree(directory / name, ignore_errors=True)
+        super().setup()
 
     def collect(self):
         for cell in super().collect():
