@@ -3,7 +3,14 @@ trains exactly as if it had never stopped."""
 
 import dataclasses
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 import warnings
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,6 +20,7 @@ from gemmalab import checkpoints
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.experiment import Experiment
+from gemmalab.k8s import run_notebook
 
 
 def _config(tmp_path, cache_dir, stories_file, name, **overrides):
@@ -153,3 +161,81 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(uninterrup
         step, state = saved.restore_latest(abstract, fresh_iterator)
     assert step == newest - 4 and int(state.step) == step
     assert any(f"{newest} does not load" in str(w.message) for w in caught)
+
+
+# --- real processes: papermill runs of train.ipynb killed with SIGKILL, then SIGTERM --------
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "train.ipynb"
+
+
+def _papermill_command(output_dir, cache_dir, stories_file, name):
+    values = dict(data_path=str(stories_file), cache_dir=str(cache_dir),
+                  output_dir=str(output_dir), batch_size=16, maxlen=128, max_steps=32,
+                  eval_every=0, checkpoint_every=8, log_every=1, tokenizer_vocab_size=600,
+                  tokenize_workers=1, seed=5, compute_dtype="float32", max_new_tokens=4)
+    argv = [str(NOTEBOOK), str(output_dir.parent / f"{name}.ipynb"), "--no-progress-bar"]
+    for key, value in values.items():
+        argv += ["-p", key, str(value)]
+    return argv
+
+
+def _rows(output_dir):
+    path = output_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _start(argv, runner):
+    command = [sys.executable, "-m", runner, *argv]
+    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_rows(process, output_dir, rows, timeout=300):
+    deadline = time.monotonic() + timeout
+    while _rows(output_dir) < rows:
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "the run did not reach the step in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_papermill_runs_survive_sigkill_and_sigterm(tmp_path, cache_dir, stories_file):
+    """SIGKILL to papermill and its kernel between checkpoints, then SIGTERM to the container
+    entry point (as GKE sends it), then a last start: the same 32 per-step losses as one
+    uninterrupted run, nothing lost from metrics.jsonl."""
+    output_dir = tmp_path / "run"
+    argv = _papermill_command(output_dir, cache_dir, stories_file, "out")
+
+    killed = _start(argv, "papermill")
+    _wait_for_rows(killed, output_dir, 12)  # past the checkpoint at step 8
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    reached = _rows(output_dir)
+    assert 12 <= reached < 32
+
+    stopped = _start(argv, "gemmalab.k8s.run_notebook")
+    _wait_for_rows(stopped, output_dir, reached + 4)
+    os.kill(stopped.pid, signal.SIGTERM)
+    log = stopped.communicate(timeout=120)[0]
+    assert stopped.returncode == run_notebook.PREEMPTED_EXIT_CODE, log[-3000:]
+    notebook = (tmp_path / "out.ipynb").read_text()
+    assert "resumed from step 8" in notebook
+    stop_step = int(re.search(r"stopped by SIGTERM after step (\d+)", notebook).group(1))
+    assert reached < stop_step < 32
+    assert (output_dir / "checkpoints" / str(stop_step)).is_dir()
+
+    finished = _start(argv, "papermill")
+    log = finished.communicate(timeout=600)[0]
+    assert finished.returncode == 0, log[-3000:]
+    assert f"resumed from step {stop_step}" in (tmp_path / "out.ipynb").read_text()
+    steps, losses = _losses(output_dir)
+    assert steps == list(range(1, 33))
+
+    reference = Experiment.prepare(TrainConfig(
+        data_path=str(stories_file), cache_dir=str(cache_dir), output_dir=str(tmp_path / "ref"),
+        batch_size=16, maxlen=128, max_steps=32, eval_every=0, checkpoint_every=8,
+        tokenizer_vocab_size=600, tokenize_workers=1, seed=5, compute_dtype="float32"))
+    reference.train(progress=False)
+    np.testing.assert_array_equal(losses, _losses(tmp_path / "ref")[1])
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["steps"] == 32

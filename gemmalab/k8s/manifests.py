@@ -20,6 +20,7 @@ from gemmalab.k8s.config import (
     ClusterConfig,
 )
 from gemmalab.k8s.notebook import papermill_argv
+from gemmalab.k8s.run_notebook import PREEMPTED_EXIT_CODE
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
@@ -31,8 +32,10 @@ CONTAINER = "train"
 TPU_RUNTIME_PORT = 8471  # libtpu's port between the hosts of a slice
 
 # The container's shell only creates the output directory (papermill does not), then becomes
-# papermill; "$@" keeps every argument as one word, so no parameter value is ever re-parsed.
-ENTRYPOINT = ["/bin/sh", "-ec", 'mkdir -p "$GEMMALAB_OUTPUT_DIR" && exec papermill "$@"',
+# gemmalab's papermill runner, which hands SIGTERM to the training loop (save, then exit
+# PREEMPTED_EXIT_CODE); "$@" keeps every argument as one word, so no value is re-parsed.
+ENTRYPOINT = ["/bin/sh", "-ec",
+              'mkdir -p "$GEMMALAB_OUTPUT_DIR" && exec python -m gemmalab.k8s.run_notebook "$@"',
               "papermill"]
 
 
@@ -168,10 +171,17 @@ def pod_template(config: ClusterConfig) -> client.V1PodTemplateSpec:
     )
 
 
-def _disruption(action: str) -> client.V1PodFailurePolicyRule:
-    """Preemption or node maintenance (pod condition DisruptionTarget) is not the run's fault."""
-    return client.V1PodFailurePolicyRule(action=action, on_pod_conditions=[
-        client.V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget", status="True")])
+def _disruption(action: str) -> list[client.V1PodFailurePolicyRule]:
+    """Preemption or node maintenance (pod condition DisruptionTarget), or a stop on SIGTERM
+    after saving a checkpoint (exit PREEMPTED_EXIT_CODE), is not the run's fault."""
+    return [
+        client.V1PodFailurePolicyRule(action=action, on_pod_conditions=[
+            client.V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget",
+                                                            status="True")]),
+        client.V1PodFailurePolicyRule(action=action, on_exit_codes=(
+            client.V1PodFailurePolicyOnExitCodesRequirement(
+                container_name=CONTAINER, operator="In", values=[PREEMPTED_EXIT_CODE]))),
+    ]
 
 
 def job(config: ClusterConfig) -> client.V1Job:
@@ -186,7 +196,7 @@ def job(config: ClusterConfig) -> client.V1Job:
         spec=client.V1JobSpec(
             backoff_limit=config.backoff_limit,
             # An evicted pod is replaced without spending the backoff limit.
-            pod_failure_policy=client.V1PodFailurePolicy(rules=[_disruption("Ignore")]),
+            pod_failure_policy=client.V1PodFailurePolicy(rules=_disruption("Ignore")),
             ttl_seconds_after_finished=config.ttl_after_finished_s,
             active_deadline_seconds=config.active_deadline_s,
             template=pod_template(config),
@@ -204,7 +214,7 @@ def jobset(config: ClusterConfig) -> dict[str, Any]:
         backoff_limit=0,  # one lost host stops the slice; the JobSet restarts all of them
         # A disruption fails the child Job with reason PodFailurePolicy, which the JobSet's
         # failure policy below restarts without counting it against maxRestarts.
-        pod_failure_policy=client.V1PodFailurePolicy(rules=[_disruption("FailJob")]),
+        pod_failure_policy=client.V1PodFailurePolicy(rules=_disruption("FailJob")),
         active_deadline_seconds=config.active_deadline_s,
         template=pod_template(config),
     ))
