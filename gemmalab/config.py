@@ -70,6 +70,7 @@ class TrainConfig:
     checkpoint_every: int = 200  # steps between saves (asynchronous); 0 = only at the end.
     keep_checkpoints: int = 3  # newest checkpoints kept.
     resume: bool = True  # continue from output_dir's latest checkpoint if there is one.
+    skip_nonfinite: bool = False  # a step with a non-finite loss/gradient leaves the weights be
 
     # Bookkeeping.
     eval_every: int = 100  # 0 = evaluate only at the start and end.

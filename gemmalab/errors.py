@@ -25,3 +25,10 @@ def require(condition: bool, parameter: str, problem: str, fix: str) -> None:
     """Raise ``ConfigError`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(parameter, problem, fix)
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss or gradient norm stopped being finite; one line, naming where to resume from."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"TrainingDiverged: {self}"]

@@ -20,7 +20,7 @@ import numpy as np
 
 from gemmalab import checkpoints, data, mesh, models, plan, sampling, sharding, storage, training
 from gemmalab.config import TrainConfig
-from gemmalab.errors import ConfigError
+from gemmalab.errors import ConfigError, TrainingDiverged
 from gemmalab.preemption import Preempted, StopRequest
 
 FINAL_LOSS_WINDOW = 10
@@ -200,7 +200,8 @@ class Experiment:
         """The jit-compiled, state-donating step: ``state, metrics = train_step(state, batch)``."""
         return training.make_train_step(self.model, self.optimizer, self.schedule,
                                         self.compute_dtype, self.mesh, self.state_shardings,
-                                        grad_accum_steps=self.config.grad_accum_steps)
+                                        grad_accum_steps=self.config.grad_accum_steps,
+                                        skip_nonfinite=self.config.skip_nonfinite)
 
     def next_batch(self) -> dict[str, Any]:
         """The next global batch, placed on the mesh (this process supplies its rows)."""
@@ -221,6 +222,14 @@ class Experiment:
         self.eval_history.append(record)
         sink.write("eval", record)
         return record
+
+    def _diverged(self, step: int, values: dict[str, float]) -> TrainingDiverged:
+        saved = [s for s in self.checkpoints.steps() if s < step]
+        where = (f"the last good checkpoint is {self.checkpoints.directory}/{saved[-1]} "
+                 "(a restart resumes there)" if saved else "no checkpoint was saved before it")
+        return TrainingDiverged(
+            f"loss {values['loss']} and gradient norm {values['grad_norm']} at step {step}; "
+            f"{where}. Fix: lower learning_rate, check the data, or set skip_nonfinite=True")
 
     def train(self, *, progress: bool = True) -> dict[str, Any]:
         """Run ``total_steps`` steps with periodic eval; write metrics and ``summary.json``."""
@@ -248,9 +257,9 @@ class Experiment:
                       "tokens": tokens_per_step, "step_time_s": step_time,
                       "data_wait_s": data_wait, "tokens_per_s": tokens_per_step / step_time,
                       "useful_tokens_per_s": values["useful_tokens"] / step_time}
-            if not math.isfinite(values["loss"]):
-                raise FloatingPointError(f"loss became {values['loss']} at step {step}: lower "
-                                         "learning_rate or check the data")
+            if not values.get("skipped") and not (math.isfinite(values["loss"])
+                                                  and math.isfinite(values["grad_norm"])):
+                raise self._diverged(step, values)
             self.history.append(record)
             sink.write("metrics", record)
             bar.update(1)
@@ -335,6 +344,7 @@ class Experiment:
             "useful_token_share": useful / tokens,
             "mean_step_time_s": steady_time / len(steady),
             "data_wait_share": sum(r["data_wait_s"] for r in steady) / steady_time,
+            "skipped_steps": int(sum(r.get("skipped", 0) for r in self.history)),
             "first_step_seconds": self.history[0]["step_time_s"],
             "train_seconds": train_seconds,
             "num_params": self.num_params,

@@ -123,7 +123,7 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
 
 def make_train_step(model: Any, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, compute_dtype: Any, mesh: Any, state_shardings: Any,
-                    *, grad_accum_steps: int = 1
+                    *, grad_accum_steps: int = 1, skip_nonfinite: bool = False
                     ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
     """One jit-compiled step; the incoming state is donated (updated in place) and keeps
     ``state_shardings`` (from ``state_sharding``).
@@ -131,6 +131,9 @@ def make_train_step(model: Any, optimizer: optax.GradientTransformation,
     With ``grad_accum_steps`` > 1 the batch is processed in that many micro-batches, one after
     the other, and their gradients summed: activations of one micro-batch at a time, the same
     update (the loss is the mean over every loss-bearing token of the whole batch either way).
+
+    With ``skip_nonfinite`` a step whose loss or gradient norm is not finite keeps the weights
+    and optimizer state as they were (its metrics say ``skipped``: 1).
     """
 
     def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
@@ -142,6 +145,11 @@ def make_train_step(model: Any, optimizer: optax.GradientTransformation,
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": total * scale, "useful_tokens": count,
                    "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+        if skip_nonfinite:
+            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
+            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return jax.jit(step, donate_argnums=(0,),

@@ -18,7 +18,7 @@ import pytest
 
 from gemmalab import checkpoints
 from gemmalab.config import TrainConfig
-from gemmalab.errors import ConfigError
+from gemmalab.errors import ConfigError, TrainingDiverged
 from gemmalab.experiment import Experiment
 from gemmalab.k8s import run_notebook
 
@@ -239,3 +239,32 @@ def test_papermill_runs_survive_sigkill_and_sigterm(tmp_path, cache_dir, stories
     np.testing.assert_array_equal(losses, _losses(tmp_path / "ref")[1])
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["steps"] == 32
+
+
+# --- guards -----------------------------------------------------------------------------------
+
+
+def test_a_diverging_run_stops_naming_the_step_and_the_last_good_checkpoint(
+        tmp_path, cache_dir, stories_file):
+    config = _config(tmp_path, cache_dir, stories_file, "diverge", learning_rate=1e30,
+                     checkpoint_every=1, eval_every=0)
+    run = Experiment.prepare(config)
+    with pytest.raises(TrainingDiverged) as error:
+        run.train(progress=False)
+    message = str(error.value)
+    step = int(re.search(r"at step (\d+);", message).group(1))
+    assert step >= 2 and "\n" not in message and "skip_nonfinite=True" in message
+    assert f"the last good checkpoint is {run.checkpoints.directory}/{step - 1}" in message
+
+
+def test_skip_nonfinite_leaves_the_weights_of_a_bad_step_alone(tmp_path, cache_dir,
+                                                               stories_file):
+    config = _config(tmp_path, cache_dir, stories_file, "skip", learning_rate=1e30,
+                     eval_every=0, skip_nonfinite=True, max_steps=6)
+    run = Experiment.prepare(config)
+    summary = run.train(progress=False)
+    rows = [json.loads(line) for line in
+            (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 6 and summary["skipped_steps"] >= 1
+    assert summary["skipped_steps"] == sum(r["skipped"] for r in rows)
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(run.state.params))
