@@ -150,3 +150,32 @@ def is_empty_dir(path: str) -> bool:
 
     directory = epath.Path(_absolute(path))
     return not directory.exists() or not any(directory.iterdir())
+
+
+def require_writable_room(output_dir: str, needed_bytes: int) -> None:
+    """``output_dir`` can be written and (on local disks) has room for ``needed_bytes``.
+
+    Checked before any expensive work, so a run never trains for hours and then fails to save.
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from gemmalab.errors import ConfigError
+
+    if storage.is_gcs(output_dir):
+        return  # credentials are checked separately; buckets have no free-space figure
+    directory = Path(_absolute(output_dir))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".gemmalab-write-check"):
+            pass
+    except OSError as error:
+        raise ConfigError("output_dir", f"cannot write to {output_dir} "
+                          f"({type(error).__name__}: {error.strerror or error})",
+                          "choose a directory this process can create and write") from None
+    free = shutil.disk_usage(directory).free
+    if free < needed_bytes:
+        raise ConfigError("output_dir", f"{output_dir} has {free / 2**30:.2f} GiB free but a "
+                          f"checkpoint and the final params need ~{needed_bytes / 2**30:.2f} GiB",
+                          "free disk space or choose output_dir on a larger disk (or gs://)")

@@ -113,6 +113,10 @@ class Experiment:
         devices = plan.attached_accelerator(list(device_mesh.devices.flat))
         memory_plan = (plan.require_fits if config.check_memory else plan.estimate)(config, devices)
         previous = _previous_run(config)
+        # One checkpoint (weights and AdamW's two moments) and the final params.
+        state_bytes = memory_plan.num_params * jnp.dtype(config.param_dtype).itemsize * 4
+        if jax.process_index() == 0:
+            checkpoints.require_writable_room(config.output_dir, state_bytes)
         prepared = prepare_data(config)
         cache, corpus, info, tokenizer = (prepared.cache, prepared.corpus, prepared.tokenizer_info,
                                           prepared.tokenizer)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections import namedtuple
 from pathlib import Path
 
 import jax
@@ -165,6 +166,7 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(uninterrup
 
 # --- real processes: papermill runs of train.ipynb killed with SIGKILL, then SIGTERM --------
 
+shutil_usage = namedtuple("usage", "total used free")
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "train.ipynb"
 
 
@@ -268,3 +270,17 @@ def test_skip_nonfinite_leaves_the_weights_of_a_bad_step_alone(tmp_path, cache_d
     assert summary["steps"] == 6 and summary["skipped_steps"] >= 1
     assert summary["skipped_steps"] == sum(r["skipped"] for r in rows)
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(run.state.params))
+
+
+def test_an_unwritable_or_full_output_dir_is_refused_before_any_work(tmp_path, cache_dir,
+                                                                    stories_file, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="^output_dir: cannot write to .*a-file/run"):
+        Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "a-file/run"))
+
+    monkeypatch.setattr("shutil.disk_usage", lambda path: shutil_usage(total=1e9, used=1e9,
+                                                                       free=1000))
+    with pytest.raises(ConfigError, match=r"^output_dir: .* has 0.00 GiB free but a checkpoint "
+                                          r"and the final params need ~0.0\d GiB"):
+        Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "full"))
