@@ -12,6 +12,7 @@ import json
 import math
 import resource
 import time
+import zlib
 from typing import Any
 
 import jax
@@ -99,6 +100,8 @@ class Experiment:
     memory_plan: plan.MemoryPlan | None = None
     checkpoints: checkpoints.TrainCheckpoints | None = None
     start_step: int = 0  # > 0 when resumed from a checkpoint
+    batch_digest: int = 0  # CRC32 of the last batch's local token rows
+    checkpoint_seconds: list[float] = dataclasses.field(default_factory=list)  # blocking saves
 
     # -----------------------------------------------------------------------------------------
     @classmethod
@@ -208,8 +211,14 @@ class Experiment:
                                         skip_nonfinite=self.config.skip_nonfinite)
 
     def next_batch(self) -> dict[str, Any]:
-        """The next global batch, placed on the mesh (this process supplies its rows)."""
-        return mesh.global_batch(next(self.train_iterator), self.mesh)
+        """The next global batch, placed on the mesh (this process supplies its rows).
+
+        ``batch_digest`` becomes a CRC32 of this process's token rows: metrics.jsonl records it
+        per step, so two runs (e.g. one resumed, one not) can be shown to read the same data.
+        """
+        local = next(self.train_iterator)
+        self.batch_digest = zlib.crc32(np.ascontiguousarray(local["tokens"]).tobytes())
+        return mesh.global_batch(local, self.mesh)
 
     @functools.cached_property
     def eval_step(self) -> Any:
@@ -226,6 +235,11 @@ class Experiment:
         self.eval_history.append(record)
         sink.write("eval", record)
         return record
+
+    def _save_checkpoint(self, step: int) -> None:
+        started = time.perf_counter()
+        self.checkpoints.save(step, self.state, self.train_iterator)
+        self.checkpoint_seconds.append(time.perf_counter() - started)
 
     def _diverged(self, step: int, values: dict[str, float]) -> TrainingDiverged:
         saved = [s for s in self.checkpoints.steps() if s < step]
@@ -252,14 +266,15 @@ class Experiment:
         pending: tuple | None = None
         started = last_done = time.perf_counter()
 
-        def finish(step: int, metrics: Any, data_wait: float) -> None:
+        def finish(step: int, metrics: Any, data_wait: float, digest: int) -> None:
             nonlocal last_done
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
             now = time.perf_counter()
             step_time, last_done = now - last_done, now
             record = {"step": step, "epoch": step / self.steps_per_epoch, **values,
                       "tokens": tokens_per_step, "step_time_s": step_time,
-                      "data_wait_s": data_wait, "tokens_per_s": tokens_per_step / step_time,
+                      "data_wait_s": data_wait, "batch_crc32": digest,
+                      "tokens_per_s": tokens_per_step / step_time,
                       "useful_tokens_per_s": values["useful_tokens"] / step_time}
             if not values.get("skipped") and not (math.isfinite(values["loss"])
                                                   and math.isfinite(values["grad_norm"])):
@@ -290,7 +305,7 @@ class Experiment:
                 self.state, metrics = train_step(self.state, batch)
                 if pending is not None:
                     finish(*pending)  # read step N-1 while step N runs: no idle device
-                pending = (step, metrics, data_wait)
+                pending = (step, metrics, data_wait, self.batch_digest)
                 # One process: every step; several: a collective, so every log_every steps.
                 stopping = ((jax.process_count() == 1 or step % cfg.log_every == 0)
                             and stop.agreed())
@@ -298,7 +313,7 @@ class Experiment:
                     finish(*pending)  # its metrics are on disk before the checkpoint claims them
                     pending = None
                     sink.flush()
-                    self.checkpoints.save(step, self.state, self.train_iterator)
+                    self._save_checkpoint(step)
                 if stopping:
                     self.checkpoints.wait()
                     sink.close()
@@ -320,7 +335,7 @@ class Experiment:
         sink.flush()
         self.checkpoints.wait()
         if self.total_steps not in self.checkpoints.steps():
-            self.checkpoints.save(self.total_steps, self.state, self.train_iterator)
+            self._save_checkpoint(self.total_steps)
             self.checkpoints.wait()
         self.summary = self._summary(initial_eval, final_eval, train_seconds)
         sink.write_json("summary.json", self.summary)
@@ -349,6 +364,9 @@ class Experiment:
             "mean_step_time_s": steady_time / len(steady),
             "data_wait_share": sum(r["data_wait_s"] for r in steady) / steady_time,
             "skipped_steps": int(sum(r.get("skipped", 0) for r in self.history)),
+            "resumed_from_step": self.start_step,
+            "checkpoints_saved": len(self.checkpoint_seconds),
+            "checkpoint_blocking_s": float(np.mean(self.checkpoint_seconds or [0.0])),
             "first_step_seconds": self.history[0]["step_time_s"],
             "train_seconds": train_seconds,
             "num_params": self.num_params,
