@@ -114,13 +114,17 @@ class TrainCheckpoints:
 
 
 def stored_config(output_dir: str) -> dict[str, Any] | None:
-    """The config an earlier run wrote beside its checkpoints, if any."""
+    """The config of the earlier run whose checkpoints are in ``output_dir``; None when it saved
+    none (e.g. it was stopped before its first save, or only profiled)."""
     import json
 
     from etils import epath
 
-    path = epath.Path(_absolute(output_dir)) / CHECKPOINTS_DIR / CONFIG_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    directory = epath.Path(_absolute(output_dir)) / CHECKPOINTS_DIR
+    path = directory / CONFIG_FILE
+    if not path.exists() or not any(p.name.isdigit() for p in directory.iterdir()):
+        return None
+    return json.loads(path.read_text())
 
 
 def write_config(output_dir: str, values: dict[str, Any]) -> None:
