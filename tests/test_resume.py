@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,21 +143,24 @@ def test_resume_false_needs_an_empty_directory(uninterrupted, cache_dir, stories
         Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "busy", resume=False))
 
 
+def _restore_target(run, tmp_path):
+    """The abstract state of ``run`` and a data iterator at its start, to restore into."""
+    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                              sharding=leaf.sharding), run.state)
+    fresh = Experiment.prepare(dataclasses.replace(run.config, output_dir=str(tmp_path / "fresh")))
+    return abstract, fresh.train_iterator
+
+
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(uninterrupted, tmp_path):
     done, whole = uninterrupted
     copy = tmp_path / "copy"
-    import shutil
-
     shutil.copytree(done / "whole" / "checkpoints", copy / "checkpoints")
     newest = max(int(p.name) for p in (copy / "checkpoints").iterdir() if p.name.isdigit())
     for path in (copy / "checkpoints" / str(newest) / "state").rglob("*"):
         if path.is_file() and path.stat().st_size > 64:
             path.write_bytes(path.read_bytes()[:16])  # truncated, as by a full disk
     saved = checkpoints.TrainCheckpoints(str(copy), keep=3)
-    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                                              sharding=leaf.sharding), whole.state)
-    fresh_iterator = Experiment.prepare(dataclasses.replace(
-        whole.config, output_dir=str(tmp_path / "fresh"))).train_iterator
+    abstract, fresh_iterator = _restore_target(whole, tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step, state = saved.restore_latest(abstract, fresh_iterator)
@@ -284,3 +288,22 @@ def test_an_unwritable_or_full_output_dir_is_refused_before_any_work(tmp_path, c
     with pytest.raises(ConfigError, match=r"^output_dir: .* has 0.00 GiB free but a checkpoint "
                                           r"and the final params need ~0.0\d GiB"):
         Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "full"))
+
+
+def test_a_save_cut_short_is_not_a_checkpoint(uninterrupted, tmp_path):
+    """What a kill during a save leaves (Orbax's temporary directory, never renamed into place)
+    is ignored: the newest finished checkpoint is restored and the leftover cleaned up."""
+    done, whole = uninterrupted
+    copy = tmp_path / "copy" / "checkpoints"
+    shutil.copytree(done / "whole" / "checkpoints", copy)
+    partial = copy / "16.orbax-checkpoint-tmp-1764460000000000"
+    shutil.copytree(copy / "12", partial)
+    (partial / "commit_success.txt").unlink(missing_ok=True)
+    for path in (partial / "state").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"")
+    saved = checkpoints.TrainCheckpoints(str(tmp_path / "copy"), keep=3)
+    assert saved.steps() == [4, 8, 12] and not partial.exists()
+    abstract, fresh_iterator = _restore_target(whole, tmp_path)
+    step, _ = saved.restore_latest(abstract, fresh_iterator)
+    assert step == 12
