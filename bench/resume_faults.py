@@ -97,7 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--cycles", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--every", type=int, default=5, help="checkpoint_every")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default="")
@@ -124,7 +124,9 @@ def main() -> None:
     for cycle in range(args.cycles):
         process = start(config)
         done_before = len(rows(faulty))
-        target = rng.randint(done_before + 1, args.steps - 1)
+        # A few steps past the restart (some before, some after the next save), never so close
+        # to the end that the run could finish first.
+        target = min(done_before + rng.randint(2, 3 * args.every), args.steps - 8)
         kind = rng.choice([signal.SIGKILL, signal.SIGTERM])
         mid_save = cycle % 3 == 2  # every third kill aims at a save in progress
         while process.poll() is None:

@@ -27,12 +27,15 @@ def main() -> None:
     from gemmalab.config import TrainConfig
     from gemmalab.experiment import Experiment
 
+    # fsdp over both processes: each holds and checkpoints only its shards.
     config = TrainConfig(
         data_path=data_path, cache_dir=f"{work_dir}/cache{process_id}",  # one cache per "host"
         output_dir=f"{work_dir}/run", batch_size=8, maxlen=64, max_steps=6, eval_every=3,
-        tokenizer_vocab_size=600, tokenize_workers=1, seed=5)
+        tokenizer_vocab_size=600, tokenize_workers=1, seed=5, mesh={"fsdp": -1},
+        checkpoint_every=3)
     experiment = Experiment.prepare(config)
     summary = experiment.train(progress=False)
+    resumed_losses, resumed_from = crash_and_resume(config, f"{work_dir}/crashed")
     sample = experiment.sample("Once upon a time", max_new_tokens=6)  # every host, as notebooks do
     saved = experiment.save()
     result = {
@@ -47,9 +50,40 @@ def main() -> None:
         "initial_eval_loss": summary["initial_eval_loss"],
         "saved": saved,
         "sample": sample.record(),
+        "resumed_losses": resumed_losses,
+        "resumed_from": resumed_from,
+        "params_sharded": experiment.state.params["layer_0"]["mlp"]["linear"]
+        .addressable_shards[0].data.shape != experiment.state.params["layer_0"]["mlp"]["linear"]
+        .shape,
     }
     with open(f"{work_dir}/result{process_id}.json", "w") as f:
         json.dump(result, f)
+
+
+def crash_and_resume(config, output_dir: str) -> tuple[list[float], int]:
+    """The same run killed before step 5 on every process, then started again."""
+    import dataclasses
+
+    from gemmalab.experiment import Experiment
+
+    config = dataclasses.replace(config, output_dir=output_dir)
+    first = Experiment.prepare(config)
+    real, calls = first.train_step, [0]
+
+    def step_or_crash(state, batch):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("killed")
+        return real(state, batch)
+
+    first.__dict__["train_step"] = step_or_crash
+    try:
+        first.train(progress=False)
+    except RuntimeError:
+        first.checkpoints.wait()
+    second = Experiment.prepare(config)
+    second.train(progress=False)
+    return [r["loss"] for r in second.history], second.start_step
 
 
 def fsdp_across_processes(work_dir: str) -> None:

@@ -40,6 +40,11 @@ def test_two_processes_share_one_global_batch(tmp_path, stories_file):
     assert results[0]["tokenizer"] == results[1]["tokenizer"]
     assert results[0]["losses"] == results[1]["losses"]
     assert len(results[0]["losses"]) == 6
+    # Sharded state saved collectively at step 3, each process restoring its own shards and
+    # its own data position: the resumed run's 6 losses are the uninterrupted run's.
+    assert all(r["params_sharded"] for r in results)
+    assert [r["resumed_from"] for r in results] == [3, 3]
+    assert results[0]["resumed_losses"] == results[0]["losses"] == results[1]["resumed_losses"]
     assert results[0]["final_eval_loss"] == results[1]["final_eval_loss"]
     assert results[0]["final_eval_loss"] < results[0]["initial_eval_loss"]
     # Sampling (and scoring its margins) runs on every host alike.
