@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import math
 import resource
 import time
 import zlib
@@ -19,60 +17,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab import checkpoints, data, mesh, models, plan, sampling, sharding, storage, training
+from gemmalab import (
+    checkpoints,
+    data,
+    mesh,
+    metrics,
+    models,
+    plan,
+    sampling,
+    sharding,
+    storage,
+    training,
+)
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError, TrainingDiverged
 from gemmalab.preemption import Preempted, StopRequest
 
 FINAL_LOSS_WINDOW = 10
-
-
-class MetricsSink:
-    """``metrics.jsonl`` and ``eval.jsonl`` in ``output_dir``; only process 0 writes.
-
-    Resuming at step N keeps every row up to N (read back into ``kept``) and drops the later
-    ones, which the resumed run computes again.
-    """
-
-    def __init__(self, output_dir: str, enabled: bool, *, resume_step: int | None = None):
-        from etils import epath
-
-        self.enabled = enabled
-        self.output_dir = output_dir
-        self.kept: dict[str, list[dict[str, Any]]] = {"metrics": [], "eval": []}
-        self._files: dict[str, Any] = {}
-        directory = epath.Path(output_dir)
-        for name in self.kept:
-            path = directory / f"{name}.jsonl"
-            if resume_step is not None and path.exists():
-                rows = [json.loads(line) for line in path.read_text().splitlines() if line]
-                self.kept[name] = [r for r in rows if r["step"] <= resume_step]
-        if enabled:
-            directory.mkdir(parents=True, exist_ok=True)
-            for name, rows in self.kept.items():
-                # Rewritten rather than appended to: gs:// objects cannot be appended to.
-                self._files[name] = (directory / f"{name}.jsonl").open("w")
-                for row in rows:
-                    self._files[name].write(json.dumps(row) + "\n")
-
-    def write(self, name: str, record: dict[str, Any]) -> None:
-        if self.enabled:
-            self._files[name].write(json.dumps(record) + "\n")
-
-    def flush(self) -> None:
-        for f in self._files.values():
-            f.flush()
-
-    def write_json(self, filename: str, payload: dict[str, Any]) -> None:
-        if self.enabled:
-            from etils import epath
-
-            (epath.Path(self.output_dir) / filename).write_text(json.dumps(payload, indent=1))
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
 
 
 @dataclasses.dataclass
@@ -160,22 +121,9 @@ class Experiment:
                                             b1=config.adam_b1, b2=config.adam_b2,
                                             max_grad_norm=config.max_grad_norm)
         saved = checkpoints.TrainCheckpoints(config.output_dir, keep=config.keep_checkpoints)
-        dummy = jnp.zeros((1, config.maxlen), jnp.int32)
-        expected = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), dummy))["params"]
-        shardings = training.state_sharding(expected, optimizer, device_mesh)
-        abstract = training.abstract_state(expected, optimizer, shardings)
-        restored = saved.restore_latest(abstract, iterator) if previous else None
-        if restored:
-            start_step, state = restored
-            if jax.process_index() == 0:
-                print(f"resumed from step {start_step} ({saved.directory}/{start_step})")
-        else:
-            start_step = 0
-            params = _initial_params(model, checkpoint, config, param_dtype, device_mesh,
-                                     expected)
-            state, _ = training.init_state(params, optimizer, device_mesh)
-            if jax.process_index() == 0:
-                checkpoints.write_config(config.output_dir, _resume_values(config))
+        start_step, state, shardings = _restored_or_initial_state(
+            config, model, optimizer, device_mesh, checkpoint, saved, iterator,
+            resume=previous is not None)
         return cls(config=config, mesh=device_mesh, tokenizer=tokenizer, tokenizer_info=info,
                    model_config=model_config, model=model, state=state,
                    state_shardings=shardings, optimizer=optimizer,
@@ -229,13 +177,6 @@ class Experiment:
         """Eval loss and perplexity over the whole held-out split."""
         return training.evaluate(self.eval_step, self.state.params, self.eval_batches, self.mesh)
 
-    def _record_eval(self, step: int, sink: MetricsSink) -> dict[str, Any]:
-        loss, perplexity = self.evaluate()
-        record = {"step": step, "eval_loss": loss, "eval_perplexity": perplexity}
-        self.eval_history.append(record)
-        sink.write("eval", record)
-        return record
-
     def _save_checkpoint(self, step: int) -> None:
         started = time.perf_counter()
         self.checkpoints.save(step, self.state, self.train_iterator)
@@ -249,97 +190,53 @@ class Experiment:
             f"loss {values['loss']} and gradient norm {values['grad_norm']} at step {step}; "
             f"{where}. Fix: lower learning_rate, check the data, or set skip_nonfinite=True")
 
+    def _record_eval(self, step: int, log: metrics.StepLog) -> dict[str, Any]:
+        return log.evaluation(step, *self.evaluate())
+
     def train(self, *, progress: bool = True) -> dict[str, Any]:
-        """Run ``total_steps`` steps with periodic eval; write metrics and ``summary.json``."""
-        from tqdm.auto import tqdm
-
+        """Run the steps from ``start_step`` to ``total_steps`` with periodic eval and
+        checkpoints; write metrics and ``summary.json``. SIGTERM: save, then ``Preempted``."""
         cfg = self.config
-        sink = MetricsSink(cfg.output_dir, enabled=self.is_main_process,
-                           resume_step=self.start_step or None)
-        self.history, self.eval_history = sink.kept["metrics"], sink.kept["eval"]
-        train_step = self.train_step
-        initial_eval = (self.eval_history[0] if self.eval_history
-                        else self._record_eval(0, sink))
-        tokens_per_step = cfg.batch_size * cfg.maxlen
-        bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", unit="step",
-                   disable=not (progress and self.is_main_process))
-        pending: tuple | None = None
-        started = last_done = time.perf_counter()
-
-        def finish(step: int, metrics: Any, data_wait: float, digest: int) -> None:
-            nonlocal last_done
-            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            now = time.perf_counter()
-            step_time, last_done = now - last_done, now
-            record = {"step": step, "epoch": step / self.steps_per_epoch, **values,
-                      "tokens": tokens_per_step, "step_time_s": step_time,
-                      "data_wait_s": data_wait, "batch_crc32": digest,
-                      "tokens_per_s": tokens_per_step / step_time,
-                      "useful_tokens_per_s": values["useful_tokens"] / step_time}
-            if not values.get("skipped") and not (math.isfinite(values["loss"])
-                                                  and math.isfinite(values["grad_norm"])):
-                raise self._diverged(step, values)
-            self.history.append(record)
-            sink.write("metrics", record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{values['loss']:.3f}", refresh=False)
-            if step % cfg.log_every == 0:
-                sink.flush()
-
-        def report(step: int, evaluation: dict[str, Any]) -> None:
-            # Plain lines as well as the bar: headless runs (papermill, kubectl logs) see these.
-            recent = self.history[-cfg.log_every:]
-            if self.is_main_process and recent:
-                bar.write(f"step {step}/{self.total_steps}: "
-                          f"train loss {np.mean([r['loss'] for r in recent]):.3f}, "
-                          f"eval loss {evaluation['eval_loss']:.3f} "
-                          f"(perplexity {evaluation['eval_perplexity']:.2f}), "
-                          f"{np.mean([r['useful_tokens_per_s'] for r in recent]):,.0f} "
-                          "useful tokens/s")
-
+        sink = metrics.MetricsSink(cfg.output_dir, enabled=self.is_main_process,
+                                   resume_step=self.start_step or None)
+        log = metrics.StepLog(sink, total_steps=self.total_steps, start_step=self.start_step,
+                              steps_per_epoch=self.steps_per_epoch,
+                              tokens_per_step=cfg.batch_size * cfg.maxlen,
+                              log_every=cfg.log_every, show=progress and self.is_main_process,
+                              nonfinite=self._diverged)
+        self.history, self.eval_history = log.history, log.eval_history
+        initial_eval = log.eval_history[0] if log.eval_history else self._record_eval(0, log)
+        started = time.perf_counter()
         with StopRequest() as stop:
             for step in range(self.start_step + 1, self.total_steps + 1):
                 wait_started = time.perf_counter()
                 batch = self.next_batch()
                 data_wait = time.perf_counter() - wait_started
-                self.state, metrics = train_step(self.state, batch)
-                if pending is not None:
-                    finish(*pending)  # read step N-1 while step N runs: no idle device
-                pending = (step, metrics, data_wait, self.batch_digest)
+                self.state, step_metrics = self.train_step(self.state, batch)
+                log.step(step, step_metrics, data_wait, self.batch_digest)
                 # One process: every step; several: a collective, so every log_every steps.
                 stopping = ((jax.process_count() == 1 or step % cfg.log_every == 0)
                             and stop.agreed())
                 if stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                    finish(*pending)  # its metrics are on disk before the checkpoint claims them
-                    pending = None
-                    sink.flush()
+                    log.settle()  # the step's row is on disk before the checkpoint claims it
                     self._save_checkpoint(step)
                 if stopping:
                     self.checkpoints.wait()
-                    sink.close()
-                    bar.close()
+                    log.close()
                     raise Preempted(step, f"{self.checkpoints.directory}/{step}")
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
-                    if pending is not None:
-                        finish(*pending)
-                        pending = None
-                    record = self._record_eval(step, sink)
-                    report(step, record)
-                    last_done = time.perf_counter()  # eval time is not a train step's time
-        if pending is not None:
-            finish(*pending)
+                    log.settle()
+                    self._record_eval(step, log)
+        log.settle()
         train_seconds = time.perf_counter() - started
-        final_eval = self._record_eval(self.total_steps, sink)
-        report(self.total_steps, final_eval)
-        bar.close()
-        sink.flush()
+        final_eval = self._record_eval(self.total_steps, log)
         self.checkpoints.wait()
         if self.total_steps not in self.checkpoints.steps():
             self._save_checkpoint(self.total_steps)
             self.checkpoints.wait()
         self.summary = self._summary(initial_eval, final_eval, train_seconds)
         sink.write_json("summary.json", self.summary)
-        sink.close()
+        log.close()
         return self.summary
 
     def _summary(self, initial_eval: dict, final_eval: dict, train_seconds: float
@@ -474,6 +371,29 @@ def _previous_run(config: TrainConfig) -> dict[str, Any] | None:
     if stored is not None:
         checkpoints.check_resumable(_resume_values(config), stored, config.output_dir)
     return stored
+
+
+def _restored_or_initial_state(config: TrainConfig, model: Any, optimizer: Any, device_mesh: Any,
+                               checkpoint: models.ResolvedCheckpoint,
+                               saved: checkpoints.TrainCheckpoints, iterator: Any, *, resume: bool
+                               ) -> tuple[int, training.TrainState, training.TrainState]:
+    """``(start step, state, its shardings)``: the newest readable checkpoint restored straight
+    into its shards (and ``iterator`` moved to its data position), else the initial weights."""
+    param_dtype = jnp.dtype(config.param_dtype)
+    dummy = jnp.zeros((1, config.maxlen), jnp.int32)
+    expected = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), dummy))["params"]
+    shardings = training.state_sharding(expected, optimizer, device_mesh)
+    abstract = training.abstract_state(expected, optimizer, shardings)
+    restored = saved.restore_latest(abstract, iterator) if resume else None
+    if restored:
+        if jax.process_index() == 0:
+            print(f"resumed from step {restored[0]} ({saved.directory}/{restored[0]})")
+        return restored[0], restored[1], shardings
+    params = _initial_params(model, checkpoint, config, param_dtype, device_mesh, expected)
+    state, _ = training.init_state(params, optimizer, device_mesh)
+    if jax.process_index() == 0:
+        checkpoints.write_config(config.output_dir, _resume_values(config))
+    return 0, state, shardings
 
 
 def _initial_params(model: Any, checkpoint: models.ResolvedCheckpoint, config: TrainConfig,

@@ -292,7 +292,7 @@ def test_an_unwritable_or_full_output_dir_is_refused_before_any_work(tmp_path, c
 
 def test_a_save_cut_short_is_not_a_checkpoint(uninterrupted, tmp_path):
     """What a kill during a save leaves (Orbax's temporary directory, never renamed into place)
-    is ignored: the newest finished checkpoint is restored and the leftover cleaned up."""
+    is ignored: the newest finished checkpoint is restored."""
     done, whole = uninterrupted
     copy = tmp_path / "copy" / "checkpoints"
     shutil.copytree(done / "whole" / "checkpoints", copy)
@@ -303,7 +303,7 @@ def test_a_save_cut_short_is_not_a_checkpoint(uninterrupted, tmp_path):
         if path.is_file():
             path.write_bytes(b"")
     saved = checkpoints.TrainCheckpoints(str(tmp_path / "copy"), keep=3)
-    assert saved.steps() == [4, 8, 12] and not partial.exists()
+    assert saved.steps() == [4, 8, 12]  # (Orbax also deletes the leftover, in its own time)
     abstract, fresh_iterator = _restore_target(whole, tmp_path)
     step, _ = saved.restore_latest(abstract, fresh_iterator)
     assert step == 12
