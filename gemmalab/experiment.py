@@ -205,7 +205,14 @@ class Experiment:
                               log_every=cfg.log_every, show=progress and self.is_main_process,
                               nonfinite=self._diverged)
         self.history, self.eval_history = log.history, log.eval_history
-        initial_eval = log.eval_history[0] if log.eval_history else self._record_eval(0, log)
+        # Decided by the step, not by file contents: every process must take the same branch
+        # (evaluation is collective).
+        if self.start_step == 0:
+            initial_eval = self._record_eval(0, log)
+        else:
+            initial_eval = next((r for r in log.eval_history if r["step"] == 0),
+                                {"step": 0, "eval_loss": float("nan"),
+                                 "eval_perplexity": float("nan")})
         started = time.perf_counter()
         with StopRequest() as stop:
             for step in range(self.start_step + 1, self.total_steps + 1):

@@ -33,6 +33,10 @@ class MetricsSink:
             if resume_step is not None and path.exists():
                 rows = [json.loads(line) for line in path.read_text().splitlines() if line]
                 self.kept[name] = [r for r in rows if r["step"] <= resume_step]
+        if jax.process_count() > 1:  # every process has read the rows before process 0 rewrites
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("gemmalab-metrics-read")
         if enabled:
             directory.mkdir(parents=True, exist_ok=True)
             for name, rows in self.kept.items():
