@@ -126,7 +126,10 @@ def test_deliberate_regressions_fail_naming_the_cell_and_the_number(tmp_path):
         injected = next(c for c in notebook.cells
                         if "injected-parameters" in c.metadata.get("tags", []))
         injected.source += "\n" + code + "\n"
-        nbformat.write(notebook, tmp_path / f"{name}.ipynb")
+        # A directory each: the kernel runs there, so each mutant trains its own nbval-run
+        # (one run directory would be resumed by the second mutant, not trained again).
+        (tmp_path / name).mkdir()
+        nbformat.write(notebook, tmp_path / name / f"{name}.ipynb")
     env = {**os.environ, "PYTHONPATH": str(TESTS),
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     result = subprocess.run(
