@@ -387,8 +387,8 @@ def _restored_or_initial_state(config: TrainConfig, model: Any, optimizer: Any, 
     """``(start step, state, its shardings)``: the newest readable checkpoint restored straight
     into its shards (and ``iterator`` moved to its data position), else the initial weights."""
     param_dtype = jnp.dtype(config.param_dtype)
-    dummy = jnp.zeros((1, config.maxlen), jnp.int32)
-    expected = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), dummy))["params"]
+    # The same abstract tree the memory plan traced (cached per model config).
+    expected = plan.abstract_params(model.config, config.param_dtype)
     shardings = training.state_sharding(expected, optimizer, device_mesh)
     abstract = training.abstract_state(expected, optimizer, shardings)
     restored = saved.restore_latest(abstract, iterator) if resume else None
