@@ -56,6 +56,7 @@ def main() -> None:
         "tokens": rng.integers(3, args.vocab, shape).astype(np.int32),
         "targets": rng.integers(3, args.vocab, shape).astype(np.int32),
         "segment_ids": np.ones(shape, np.int32),
+        "loss_mask": np.ones(shape, np.int32),
         "positions": np.tile(np.arange(args.maxlen, dtype=np.int32), (args.batch, 1)),
     }, device_mesh)
     print(f"{args.model} ({models.parameter_count(params):,} params), batch {args.batch} x "

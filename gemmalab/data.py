@@ -43,7 +43,10 @@ MAX_TOKENIZE_WORKERS = 32  # TPU hosts have 100+ vCPUs; beyond this, reading the
 # Best-fit over this many open rows packs ~96% real tokens at maxlen 256 with ~130-token stories
 # (64 bins: 89%); cost is ~0.5 ms per story, in grain's prefetch thread.
 PACKING_BINS = 1024
-Batch = dict[str, np.ndarray]  # tokens, targets, segment_ids, positions: int32 [rows, maxlen]
+# Every row: int32 [rows, maxlen] of each. ``loss_mask`` marks the targets that bear loss (never
+# padding; for chat data only the model's turns unless train_on_prompt).
+BATCH_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+Batch = dict[str, np.ndarray]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,6 +371,7 @@ def _pad_window(window: dict[str, np.ndarray], maxlen: int) -> Batch:
     row["targets"][:n] = window["targets"]
     row["segment_ids"][:n] = 1
     row["positions"] = np.arange(maxlen, dtype=np.int32)
+    row["loss_mask"] = row["segment_ids"].copy()
     return row
 
 
@@ -377,6 +381,7 @@ def _from_packed(packed: dict[str, np.ndarray]) -> Batch:
         "targets": packed["targets"].astype(np.int32),
         "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
         "positions": packed["inputs_positions"].astype(np.int32),
+        "loss_mask": (packed["inputs_segment_ids"] > 0).astype(np.int32),
     }
 
 

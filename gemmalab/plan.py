@@ -29,6 +29,8 @@ from typing import Any
 from gemmalab.config import REMAT_POLICIES, TrainConfig
 from gemmalab.errors import ConfigError
 
+BATCH_FIELD_COUNT = 5  # int32 rows per batch: gemmalab.data.BATCH_FIELDS
+
 GIB = 1 << 30
 # A run "fits" when the plan stays under this share of the device's memory: the rest is the
 # runtime's own, fragmentation and the error of the estimate.
@@ -299,7 +301,7 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
         "weight_copies": _weight_copy_bytes(shards, gathered, config.remat, p_size, c_size),
         "activations": _activation_bytes(model_config, sizes, config, c_size),
         "logits": _logits_bytes(config, sizes, vocab, data_ways),
-        "batch": 4 * 4 * config.batch_size // data_ways * config.maxlen,
+        "batch": BATCH_FIELD_COUNT * 4 * config.batch_size // data_ways * config.maxlen,
         # The compiled program itself: 0.27-0.48 GiB in the compiled steps of docs/scaling.md.
         "code": 0 if accelerator.platform == "cpu" else int(0.4 * GIB),
     }
@@ -596,7 +598,7 @@ def _compile_here(config: TrainConfig, accelerator: Accelerator) -> dict[str, An
     import optax
     from jax.experimental import topologies
 
-    from gemmalab import mesh, models, training
+    from gemmalab import data, mesh, models, training
 
     start = time.perf_counter()
     topology = topologies.get_topology_desc(platform="tpu", topology_name=accelerator.topology)
@@ -612,7 +614,7 @@ def _compile_here(config: TrainConfig, accelerator: Accelerator) -> dict[str, An
     abstract_state = training.abstract_state(params, optimizer, shardings)
     rows = jax.ShapeDtypeStruct((config.batch_size, config.maxlen), jnp.int32,
                                 sharding=mesh.batch_sharding(device_mesh))
-    batch = {name: rows for name in ("tokens", "positions", "targets", "segment_ids")}
+    batch = {name: rows for name in data.BATCH_FIELDS}
     step = training.make_train_step(model, optimizer, schedule, jnp.dtype(config.compute_dtype),
                                     device_mesh, shardings,
                                     grad_accum_steps=config.grad_accum_steps)

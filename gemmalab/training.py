@@ -116,7 +116,7 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
                          attention_mask=attention_mask(batch["segment_ids"]),
                          return_hidden_states=True)
     return chunked_cross_entropy(output.hidden_states, params["embedder"]["input_embedding"],
-                                 batch["targets"], batch["segment_ids"] > 0,
+                                 batch["targets"], batch["loss_mask"] > 0,
                                  softcap=model.config.final_logit_softcap,
                                  max_logits=LOSS_CHUNK_LOGITS)
 

@@ -187,3 +187,9 @@ def test_the_exact_plan_needs_a_tpu_target_and_libtpu(monkeypatch):
     monkeypatch.setattr(plan, "find_libtpu", lambda: None)
     with pytest.raises(ConfigError, match=r"^exact: libtpu .* Fix: run `make libtpu`"):
         plan.compile_plan(_tiny(), "v6e")
+
+
+def test_the_planned_batch_counts_every_batch_field():
+    from gemmalab import data
+
+    assert len(data.BATCH_FIELDS) == plan.BATCH_FIELD_COUNT

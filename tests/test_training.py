@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemmalab import mesh, models, sharding, training
+from gemmalab import data, mesh, models, sharding, training
 
 
 def test_masked_cross_entropy_matches_a_hand_computed_reference():
@@ -66,7 +66,8 @@ def _batch(rows=8, maxlen=16, vocab=64, seed=0):
     segments[::2, -3:] = 0  # padding on half the rows
     positions = np.where(segments == 2, np.arange(maxlen) - maxlen // 2, np.arange(maxlen))
     return {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1) * (segments > 0),
-            "segment_ids": segments, "positions": positions.astype(np.int32)}
+            "segment_ids": segments, "positions": positions.astype(np.int32),
+            "loss_mask": (segments > 0).astype(np.int32)}
 
 
 def test_params_are_fp32_masters_and_a_step_learns():
@@ -119,6 +120,7 @@ def test_packed_segments_do_not_see_each_other():
              "segment_ids": np.zeros((1, 16), np.int32), "positions": np.zeros((1, 16), np.int32)}
     alone["tokens"][0, :6], alone["targets"][0, :6] = story[:-1], story[1:]
     alone["segment_ids"][0, :6], alone["positions"][0, :6] = 1, np.arange(6)
+    alone["loss_mask"] = alone["segment_ids"].copy()
     packed = {k: v.copy() for k, v in alone.items()}
     packed["tokens"][0, 6:12], packed["targets"][0, 6:12] = story[:-1] + 20, story[1:] + 20
     packed["segment_ids"][0, 6:12], packed["positions"][0, 6:12] = 2, np.arange(6)
@@ -180,7 +182,7 @@ def test_the_loss_never_holds_all_logits():
     params = jax.eval_shape(lambda: model.init(jax.random.key(0),
                                                jnp.zeros((1, maxlen), jnp.int32)))["params"]
     batch = {k: jax.ShapeDtypeStruct((rows, maxlen), jnp.int32)
-             for k in ("tokens", "targets", "segment_ids", "positions")}
+             for k in data.BATCH_FIELDS}
 
     def full(p, b):
         output = model.apply({"params": p}, b["tokens"], positions=b["positions"],
