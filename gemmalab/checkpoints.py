@@ -51,7 +51,8 @@ CONFIG_FILE = "train_config.json"
 # sharding. The schedule may change, e.g. more max_steps to train on.)
 RESUME_FIELDS = ("model", "maxlen", "batch_size", "packing", "seed", "data_path", "datacount",
                  "embedded_stories", "eval_fraction", "max_eval_stories", "tokenizer",
-                 "tokenizer_vocab_size", "param_dtype")
+                 "tokenizer_vocab_size", "param_dtype", "checkpoint", "lora_rank", "lora_alpha",
+                 "lora_modules")
 
 
 class TrainCheckpoints:

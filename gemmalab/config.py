@@ -16,6 +16,12 @@ DTYPES = ("float32", "bfloat16")
 # Rematerialisation of each transformer block in the backward pass (gemmalab.models.build_model).
 REMAT_POLICIES = ("none", "dots", "full")
 MIN_MAXLEN = 8
+# data_path of the embedded instruction set: the story generator's stories, each asked for by a
+# prompt naming its facts (gemmalab.corpus.generate_instructions), written as JSONL and read
+# like a user's instruction file.
+EMBEDDED_INSTRUCTIONS = "embedded:instructions"
+# Which projections LoRA adapts (gemmalab.lora): attention's q/kv/output, the MLP's, or both.
+LORA_MODULES = ("attention", "mlp", "all")
 
 
 def default_cache_dir() -> str:
@@ -34,8 +40,12 @@ class TrainConfig:
     tokenizer_vocab_size: int = 2048  # Only for tokenizer="local".
 
     # Data.
-    data_path: str = ""  # "" = the embedded generated corpus.
-    embedded_stories: int = 12_000  # Size of the embedded corpus.
+    # "" = the embedded story corpus; EMBEDDED_INSTRUCTIONS = the embedded instruction set; else
+    # <|endoftext|>-separated text, or JSONL instruction/chat records (gemmalab.records).
+    data_path: str = ""
+    embedded_stories: int = 12_000  # Size of the embedded corpus (or instruction set).
+    train_on_prompt: bool = False  # Chat data: loss on every token, not only the model's turns.
+    skip_bad_records: bool = False  # Chat data: skip (and count) bad records instead of failing.
     datacount: int | None = None  # Cap on stories read (None = all).
     eval_fraction: float = 0.02
     max_eval_stories: int = 1_000
@@ -58,6 +68,12 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     param_dtype: str = "float32"  # Master weights and optimizer state.
     compute_dtype: str = "bfloat16"  # Matmuls; ~25% faster than float32 even on CPUs.
+
+    # LoRA (gemmalab.lora): 0 = full fine-tuning. Otherwise only rank-``lora_rank`` adapters train
+    # (scaled by lora_alpha / lora_rank, as PEFT); the base weights stay frozen in compute_dtype.
+    lora_rank: int = 0
+    lora_alpha: float | None = None  # None = lora_rank (scale 1)
+    lora_modules: str = "all"  # "attention" | "mlp" | "all"
 
     # Devices: axis name -> size over data / fsdp / tensor, -1 = the rest (gemmalab.mesh).
     # None = {"data": -1}: every device data-parallel, weights replicated.
@@ -96,6 +112,12 @@ class TrainConfig:
                 "use a positive batch")
         require(self.remat in REMAT_POLICIES, "remat", f"unknown policy {self.remat!r}",
                 f"use one of {REMAT_POLICIES} ('full' saves the most memory)")
+        require(self.lora_rank >= 0, "lora_rank", f"{self.lora_rank} < 0",
+                "use 0 for full fine-tuning, or a rank such as 8 or 16")
+        require(self.lora_alpha is None or self.lora_alpha > 0, "lora_alpha",
+                f"{self.lora_alpha} is not positive", "use e.g. 2 * lora_rank, or None (= rank)")
+        require(self.lora_modules in LORA_MODULES, "lora_modules",
+                f"unknown choice {self.lora_modules!r}", f"use one of {LORA_MODULES}")
         require(self.grad_accum_steps >= 1, "grad_accum_steps", f"{self.grad_accum_steps} < 1",
                 "use 1 (no accumulation) or more micro-batches per step")
         if self.datacount is not None:
@@ -165,6 +187,10 @@ class TrainConfig:
             "use at least 512 (2048 suits the embedded corpus)",
         )
         require(self.embedded_stories >= 10, "embedded_stories", "is below 10", "use e.g. 30000")
+        require(not self.data_path.startswith("embedded:")
+                or self.data_path == EMBEDDED_INSTRUCTIONS, "data_path",
+                f"unknown embedded data set {self.data_path!r}",
+                f"use '' (stories), {EMBEDDED_INSTRUCTIONS!r} or a file")
         require(self.tokenize_workers >= 0, "tokenize_workers", "is negative",
                 "use 0 for all cores")
         require(

@@ -20,6 +20,7 @@ import numpy as np
 from gemmalab import (
     checkpoints,
     data,
+    lora,
     mesh,
     metrics,
     models,
@@ -63,6 +64,11 @@ class Experiment:
     start_step: int = 0  # > 0 when resumed from a checkpoint
     batch_digest: int = 0  # CRC32 of the last batch's local token rows
     checkpoint_seconds: list[float] = dataclasses.field(default_factory=list)  # blocking saves
+    # LoRA (lora_rank > 0): ``model`` is the adapted model, ``state.params`` its adapters and
+    # ``frozen_params`` the base weights (compute dtype) of ``base_model``.
+    base_model: Any = None
+    frozen_params: Any = None
+    frozen_shardings: Any = None
 
     # -----------------------------------------------------------------------------------------
     @classmethod
@@ -105,15 +111,15 @@ class Experiment:
         evals = data.eval_batches(cache.eval, maxlen=config.maxlen, batch_size=config.batch_size,
                                   packing=config.packing, process_index=jax.process_index(),
                                   process_count=jax.process_count())
-        stats = {**cache.meta, "train_windows": len(windows),
-                 "train_target_tokens": windows.num_targets,
-                 "stories_split_over_maxlen": windows.num_split_docs,
-                 "corpus_path": corpus.path, "embedded_corpus": corpus.embedded}
-        stats.pop("key", None)
+        stats = data.data_stats(corpus, cache, windows)
 
         param_dtype = jnp.dtype(config.param_dtype)
-        model = models.build_model(model_config, param_dtype=param_dtype, remat=config.remat)
-        peak_lr = config.learning_rate or models.PRESETS[config.model].default_learning_rate
+        base_model = models.build_model(model_config, param_dtype=param_dtype, remat=config.remat)
+        model = (lora.wrap(base_model, rank=config.lora_rank, alpha=config.lora_alpha,
+                           modules=config.lora_modules, dtype=param_dtype)
+                 if config.lora_rank else base_model)
+        peak_lr = config.learning_rate or models.default_learning_rate(config.model,
+                                                                       lora=config.lora_rank > 0)
         schedule = training.learning_rate_schedule(peak_lr, total_steps,
                                                    warmup_ratio=config.warmup_ratio,
                                                    min_lr_ratio=config.min_lr_ratio)
@@ -122,10 +128,14 @@ class Experiment:
                                             max_grad_norm=config.max_grad_norm)
         saved = checkpoints.TrainCheckpoints(config.output_dir, keep=config.keep_checkpoints)
         start_step, state, shardings = _restored_or_initial_state(
-            config, model, optimizer, device_mesh, checkpoint, saved, iterator,
+            config, base_model, optimizer, device_mesh, checkpoint, saved, iterator,
             resume=previous is not None)
+        frozen, frozen_shardings = None, None
+        if config.lora_rank:
+            frozen, frozen_shardings = _frozen_base(config, base_model, checkpoint, device_mesh)
         return cls(config=config, mesh=device_mesh, tokenizer=tokenizer, tokenizer_info=info,
-                   model_config=model_config, model=model, state=state,
+                   model_config=model_config, model=model, base_model=base_model,
+                   frozen_params=frozen, frozen_shardings=frozen_shardings, state=state,
                    state_shardings=shardings, optimizer=optimizer,
                    schedule=schedule, compute_dtype=jnp.dtype(config.compute_dtype),
                    train_iterator=iterator, eval_batches=evals, total_steps=total_steps,
@@ -139,15 +149,29 @@ class Experiment:
 
     @property
     def num_params(self) -> int:
+        """Every weight of the model (with LoRA: base and adapters)."""
+        return self.trainable_params + models.parameter_count(self.frozen_params or {})
+
+    @property
+    def trainable_params(self) -> int:
         return models.parameter_count(self.state.params)
+
+    def inference_params(self) -> Any:
+        """The current weights as an ordinary gemma params tree for ``base_model`` (with LoRA:
+        the adapters merged into the base, in the master dtype)."""
+        if self.frozen_params is None:
+            return self.state.params
+        return lora.merge(self.frozen_params, self.state.params,
+                          lora.scale(self.config.lora_rank, self.config.lora_alpha),
+                          dtype=jnp.dtype(self.config.param_dtype))
 
     def sample(self, prompts: str | list[str], **kwargs: Any
                ) -> sampling.Continuation | list[sampling.Continuation]:
         """Continue one prompt or several with the current weights (greedy by default)."""
         single = isinstance(prompts, str)
         continuations = sampling.continue_prompts(
-            self.model, self.state.params, self.tokenizer, [prompts] if single else prompts,
-            compute_dtype=self.compute_dtype, **kwargs)
+            self.base_model, self.inference_params(), self.tokenizer,
+            [prompts] if single else prompts, compute_dtype=self.compute_dtype, **kwargs)
         return continuations[0] if single else continuations
 
     @functools.cached_property
@@ -156,7 +180,8 @@ class Experiment:
         return training.make_train_step(self.model, self.optimizer, self.schedule,
                                         self.compute_dtype, self.mesh, self.state_shardings,
                                         grad_accum_steps=self.config.grad_accum_steps,
-                                        skip_nonfinite=self.config.skip_nonfinite)
+                                        skip_nonfinite=self.config.skip_nonfinite,
+                                        frozen_shardings=self.frozen_shardings)
 
     def next_batch(self) -> dict[str, Any]:
         """The next global batch, placed on the mesh (this process supplies its rows).
@@ -171,11 +196,12 @@ class Experiment:
     @functools.cached_property
     def eval_step(self) -> Any:
         return training.make_eval_step(self.model, self.compute_dtype, self.mesh,
-                                       self.state_shardings.params)
+                                       self.state_shardings.params, self.frozen_shardings)
 
     def evaluate(self) -> tuple[float, float]:
         """Eval loss and perplexity over the whole held-out split."""
-        return training.evaluate(self.eval_step, self.state.params, self.eval_batches, self.mesh)
+        return training.evaluate(self.eval_step, self.state.params, self.eval_batches, self.mesh,
+                                 self.frozen_params)
 
     def _save_checkpoint(self, step: int) -> None:
         started = time.perf_counter()
@@ -219,7 +245,7 @@ class Experiment:
                 wait_started = time.perf_counter()
                 batch = self.next_batch()
                 data_wait = time.perf_counter() - wait_started
-                self.state, step_metrics = self.train_step(self.state, batch)
+                self.state, step_metrics = self.train_step(self.state, batch, self.frozen_params)
                 log.step(step, step_metrics, data_wait, self.batch_digest)
                 # One process: every step; several: a collective, so every log_every steps.
                 stopping = ((jax.process_count() == 1 or step % cfg.log_every == 0)
@@ -274,10 +300,12 @@ class Experiment:
             "first_step_seconds": self.history[0]["step_time_s"],
             "train_seconds": train_seconds,
             "num_params": self.num_params,
+            "trainable_params": self.trainable_params,
             "peak_host_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
             "mesh": mesh.mesh_shape(self.mesh),
-            "params_bytes_per_device": sharding.shard_bytes(self.state.params),
+            "params_bytes_per_device": (sharding.shard_bytes(self.state.params)
+                                        + sharding.shard_bytes(self.frozen_params or {})),
             "optimizer_bytes_per_device": sharding.shard_bytes(self.state.opt_state),
             # The analytic plan beside what the runtime saw (TPU/GPU report a peak; CPUs don't).
             "planned_bytes_per_device": self.memory_plan.per_device_bytes,
@@ -291,9 +319,15 @@ class Experiment:
         }
 
     def save(self) -> str:
-        """Write the final (master-dtype) params to ``output_dir/params``; every process calls."""
+        """Write the final (master-dtype) params to ``output_dir/params``; every process calls.
+
+        With LoRA these are the merged weights (an ordinary gemma tree, what sampling and
+        ``gm.ckpts.load_params`` read), and the adapters alone go to ``output_dir/adapters``.
+        """
         path = f"{self.config.output_dir}/params"
-        checkpoints.save_params(self.state.params, path)
+        checkpoints.save_params(self.inference_params(), path)
+        if self.frozen_params is not None:
+            checkpoints.save_params(self.state.params, f"{self.config.output_dir}/adapters")
         return path
 
 
@@ -316,7 +350,8 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     """
     cache_dir = config.resolved_cache_dir
     corpus = data.resolve_corpus(config.data_path, cache_dir=cache_dir,
-                                 embedded_stories=config.embedded_stories, seed=config.seed)
+                                 embedded_stories=config.embedded_stories, seed=config.seed,
+                                 skip_bad_records=config.skip_bad_records)
     rule = data.SplitRule(config.eval_fraction, config.max_eval_stories,
                           jax.process_index(), jax.process_count())
     tokenizer, info = _load_tokenizer_everywhere(config, corpus, rule)
@@ -327,7 +362,7 @@ def prepare_data(config: TrainConfig) -> PreparedData:
                           "use the model's own tokenizer ('gemma3') or model='gemma3-tiny'")
     cache = data.load_or_build_token_cache(
         corpus, info, rule=rule, datacount=config.datacount, cache_dir=cache_dir,
-        workers=config.tokenize_workers)
+        workers=config.tokenize_workers, train_on_prompt=config.train_on_prompt)
     return PreparedData(corpus=corpus, tokenizer=tokenizer, tokenizer_info=info, cache=cache,
                         model_config=model_config)
 
@@ -380,15 +415,19 @@ def _previous_run(config: TrainConfig) -> dict[str, Any] | None:
     return stored
 
 
-def _restored_or_initial_state(config: TrainConfig, model: Any, optimizer: Any, device_mesh: Any,
-                               checkpoint: models.ResolvedCheckpoint,
+def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: Any,
+                               device_mesh: Any, checkpoint: models.ResolvedCheckpoint,
                                saved: checkpoints.TrainCheckpoints, iterator: Any, *, resume: bool
                                ) -> tuple[int, training.TrainState, training.TrainState]:
     """``(start step, state, its shardings)``: the newest readable checkpoint restored straight
-    into its shards (and ``iterator`` moved to its data position), else the initial weights."""
+    into its shards (and ``iterator`` moved to its data position), else the initial weights
+    (with LoRA: fresh adapters; the base weights are not part of the state)."""
     param_dtype = jnp.dtype(config.param_dtype)
-    # The same abstract tree the memory plan traced (cached per model config).
-    expected = plan.abstract_params(model.config, config.param_dtype)
+    if config.lora_rank:
+        expected = lora.abstract_adapters(base_model.config, rank=config.lora_rank,
+                                          modules=config.lora_modules, dtype=config.param_dtype)
+    else:  # the same abstract tree the memory plan traced (cached per model config)
+        expected = plan.abstract_params(base_model.config, config.param_dtype)
     shardings = training.state_sharding(expected, optimizer, device_mesh)
     abstract = training.abstract_state(expected, optimizer, shardings)
     restored = saved.restore_latest(abstract, iterator) if resume else None
@@ -396,11 +435,28 @@ def _restored_or_initial_state(config: TrainConfig, model: Any, optimizer: Any, 
         if jax.process_index() == 0:
             print(f"resumed from step {restored[0]} ({saved.directory}/{restored[0]})")
         return restored[0], restored[1], shardings
-    params = _initial_params(model, checkpoint, config, param_dtype, device_mesh, expected)
+    if config.lora_rank:
+        params = lora.init_adapters(base_model.config, rank=config.lora_rank,
+                                    modules=config.lora_modules, dtype=config.param_dtype,
+                                    seed=config.seed + 1, shardings=shardings.params)
+    else:
+        params = _initial_params(base_model, checkpoint, config, param_dtype, device_mesh,
+                                 expected)
     state, _ = training.init_state(params, optimizer, device_mesh)
     if jax.process_index() == 0:
         checkpoints.write_config(config.output_dir, _resume_values(config))
     return 0, state, shardings
+
+
+def _frozen_base(config: TrainConfig, base_model: Any, checkpoint: models.ResolvedCheckpoint,
+                 device_mesh: Any) -> tuple[Any, Any]:
+    """LoRA's base weights in the compute dtype, read (or drawn from ``seed``) into their
+    shards; the same on a resume, so they are never checkpointed. Returns (weights, shardings)."""
+    expected = plan.abstract_params(base_model.config, config.param_dtype)
+    compute_dtype = jnp.dtype(config.compute_dtype)
+    params = _initial_params(base_model, checkpoint, config, compute_dtype, device_mesh, expected)
+    params = jax.tree.map(lambda p: p.astype(compute_dtype), params)  # random init: master dtype
+    return params, sharding.param_sharding(params, device_mesh)
 
 
 def _initial_params(model: Any, checkpoint: models.ResolvedCheckpoint, config: TrainConfig,
@@ -417,8 +473,13 @@ def _initial_params(model: Any, checkpoint: models.ResolvedCheckpoint, config: T
                                                                    sharding=where),
                           expected, shardings)
     try:
-        loaded = checkpoints.load_params(checkpoint.path, target=target,
-                                         text_only=models.PRESETS[config.model].multimodal)
+        if checkpoint.format == "hf":
+            from gemmalab import export
+
+            loaded = export.load_hf_params(checkpoint.path, target)
+        else:
+            loaded = checkpoints.load_params(checkpoint.path, target=target,
+                                             text_only=models.PRESETS[config.model].multimodal)
     except (ValueError, KeyError) as error:  # the checkpoint's tree does not fit the model's
         raise mismatch from error
     if jax.tree.structure(loaded) != jax.tree.structure(expected) or any(

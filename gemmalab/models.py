@@ -27,12 +27,14 @@ class Preset:
     checkpoints: tuple[str, ...]  # gm.ckpts.CheckpointPath names with weights for it.
     default_learning_rate: float
     multimodal: bool = False
+    # LoRA's adapters start at zero and are few: they take a larger step than full fine-tuning.
+    default_lora_learning_rate: float = 2e-4
 
 
 PRESETS = {
     p.name: p
     for p in (
-        Preset("gemma3-tiny", "Gemma3_270M", (), 3e-3),
+        Preset("gemma3-tiny", "Gemma3_270M", (), 3e-3, default_lora_learning_rate=3e-3),
         Preset("gemma3-270m", "Gemma3_270M", ("GEMMA3_270M_PT", "GEMMA3_270M_IT"), 2e-5),
         Preset("gemma3-1b", "Gemma3_1B", ("GEMMA3_1B_PT", "GEMMA3_1B_IT"), 2e-5),
         Preset("gemma3-4b", "Gemma3_4B", ("GEMMA3_4B_PT", "GEMMA3_4B_IT"), 2e-5, True),
@@ -41,6 +43,12 @@ PRESETS = {
     )
 }
 assert tuple(PRESETS) == PRESET_NAMES
+
+def default_learning_rate(preset_name: str, *, lora: bool) -> float:
+    """The peak learning rate a run uses when ``learning_rate`` is None."""
+    preset = PRESETS[preset_name]
+    return preset.default_lora_learning_rate if lora else preset.default_learning_rate
+
 
 # The tiny preset keeps Gemma 3's architecture — 5 sliding-window layers then 1 global layer,
 # QK-norm, GQA, post-norms, dual RoPE bases — at a size that learns in minutes on two cores.
@@ -215,10 +223,12 @@ def parameter_count(params: Any) -> int:
 class ResolvedCheckpoint:
     path: str  # "" = random init
     name: str
+    format: str = "orbax"  # or "hf": a Hugging Face Gemma 3 safetensors directory (export.py)
 
 
 def resolve_checkpoint(spec: str, preset_name: str) -> ResolvedCheckpoint:
-    """``checkpoint``: a CheckpointPath name, a local or gs:// Orbax directory, or ''."""
+    """``checkpoint``: a CheckpointPath name, a local or gs:// Orbax directory, a local Hugging
+    Face Gemma 3 directory (config.json + safetensors), or ''."""
     if not spec:
         return ResolvedCheckpoint("", "random init")
     gm = gemma_lib.gm()
@@ -243,7 +253,10 @@ def resolve_checkpoint(spec: str, preset_name: str) -> ResolvedCheckpoint:
             raise ConfigError("checkpoint", f"no Orbax checkpoint directory at {spec}",
                               "give the directory written by a run (output_dir/params) or "
                               "a CheckpointPath name")
-        return ResolvedCheckpoint(str(Path(spec).resolve()), spec)
+        from gemmalab import export
+
+        return ResolvedCheckpoint(str(Path(spec).resolve()), spec,
+                                  "hf" if export.is_hf_dir(spec) else "orbax")
     gemma3 = [n for n in names if n.startswith("GEMMA3_")]
     raise ConfigError("checkpoint", f"unknown checkpoint {spec!r}",
                       f"use a path, '' for random init, or one of {gemma3}")

@@ -23,12 +23,15 @@ RULES: dict[str, tuple[str | None, ...]] = {
     "gating_einsum": (None, "tensor", "fsdp"),  # [gate|up, ffw, embed]
     "linear": ("tensor", "fsdp"),  # [ffw, embed]
     "scale": (),  # RMS norms: small, replicated
+    "lora": (),  # LoRA adapters (gemmalab.lora): rank-r factors, small, replicated
 }
 
 
 def rule_name(path: tuple[Any, ...]) -> str:
     """The rule a weight follows: its module's name (the leaf's own for norms and MLP weights)."""
     names = [entry.key for entry in path if isinstance(entry, jax.tree_util.DictKey)]
+    if "lora" in names:
+        return "lora"
     name = names[-2] if names and names[-1] == "w" and len(names) > 1 else names[-1]
     if name not in RULES:
         raise ValueError(f"no sharding rule for parameter {jax.tree_util.keystr(path)}: "

@@ -3,6 +3,9 @@
 One state pytree (``TrainState``) holds everything a resume needs besides the data iterator:
 step, fp32 master params and optimizer state. Compute runs in ``compute_dtype`` (params are
 cast inside the step, so gradients and updates stay in the master dtype).
+
+With LoRA the state's params are the adapters alone; the base weights are a separate ``frozen``
+tree (compute dtype, never updated, not donated) that each step joins to them.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gemmalab import sharding
+from gemmalab import lora, sharding
 from gemmalab.mesh import batch_sharding, global_batch, replicated
 
 # Largest logits block the loss materialises (elements): 1 GiB in fp32.
@@ -107,10 +110,15 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
     return jnp.sum(totals), jnp.sum(counts)
 
 
-def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any
-                 ) -> tuple[jax.Array, jax.Array]:
-    """Sum of masked next-token NLL over the batch, and the number of loss-bearing targets."""
+def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
+                 frozen: Any = None) -> tuple[jax.Array, jax.Array]:
+    """Sum of masked next-token NLL over the batch, and the number of loss-bearing targets.
+
+    ``frozen``: the base weights a LoRA model's adapters (``params``) are joined to.
+    """
     params = cast_params(params, compute_dtype)
+    if frozen is not None:
+        params = lora.join(cast_params(frozen, compute_dtype), params)
     # The model's own logits are unused (XLA drops them); the loss recomputes them in chunks.
     output = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
                          attention_mask=attention_mask(batch["segment_ids"]),
@@ -123,10 +131,11 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
 
 def make_train_step(model: Any, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, compute_dtype: Any, mesh: Any, state_shardings: Any,
-                    *, grad_accum_steps: int = 1, skip_nonfinite: bool = False
-                    ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
-    """One jit-compiled step; the incoming state is donated (updated in place) and keeps
-    ``state_shardings`` (from ``state_sharding``).
+                    *, grad_accum_steps: int = 1, skip_nonfinite: bool = False,
+                    frozen_shardings: Any = None) -> Callable[..., tuple[TrainState, dict]]:
+    """One jit-compiled step ``(state, batch, frozen=None) -> (state, metrics)``; the incoming
+    state is donated (updated in place) and keeps ``state_shardings`` (from ``state_sharding``).
+    ``frozen`` (LoRA's base weights, placed by ``frozen_shardings``) is read, never donated.
 
     With ``grad_accum_steps`` > 1 the batch is processed in that many micro-batches, one after
     the other, and their gradients summed: activations of one micro-batch at a time, the same
@@ -136,9 +145,10 @@ def make_train_step(model: Any, optimizer: optax.GradientTransformation,
     and optimizer state as they were (its metrics say ``skipped``: 1).
     """
 
-    def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
+    def step(state: TrainState, batch: dict[str, jax.Array], frozen: Any = None
+             ) -> tuple[TrainState, dict]:
         (total, count), grads = summed_gradients(model, state.params, batch, compute_dtype,
-                                                 mesh, grad_accum_steps)
+                                                 mesh, grad_accum_steps, frozen)
         scale = 1.0 / jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g * scale, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -153,15 +163,16 @@ def make_train_step(model: Any, optimizer: optax.GradientTransformation,
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return jax.jit(step, donate_argnums=(0,),
-                   in_shardings=(state_shardings, batch_sharding(mesh)),
+                   in_shardings=(state_shardings, batch_sharding(mesh), frozen_shardings),
                    out_shardings=(state_shardings, replicated(mesh)))
 
 
 def summed_gradients(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
-                     mesh: Any, micro_batches: int) -> tuple[tuple[jax.Array, jax.Array], Any]:
+                     mesh: Any, micro_batches: int, frozen: Any = None
+                     ) -> tuple[tuple[jax.Array, jax.Array], Any]:
     """``((sum of NLL, loss-bearing targets), gradient of the sum)`` over ``micro_batches``."""
     value_and_grad = jax.value_and_grad(
-        lambda p, b: forward_loss(model, p, b, compute_dtype), has_aux=True)
+        lambda p, b: forward_loss(model, p, b, compute_dtype, frozen), has_aux=True)
     if micro_batches == 1:
         return value_and_grad(params, batch)
     # Micro-batch j takes rows j, j + n, j + 2n, ...: every device keeps working on its own rows.
@@ -181,12 +192,14 @@ def summed_gradients(model: Any, params: Any, batch: dict[str, jax.Array], compu
     return (total, count), grads
 
 
-def make_eval_step(model: Any, compute_dtype: Any, mesh: Any, params_shardings: Any
-                   ) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]:
-    def step(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        return forward_loss(model, params, batch, compute_dtype)
+def make_eval_step(model: Any, compute_dtype: Any, mesh: Any, params_shardings: Any,
+                   frozen_shardings: Any = None) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """``(params, batch, frozen=None) -> (sum of NLL, loss-bearing targets)``, jit-compiled."""
+    def step(params: Any, batch: dict[str, jax.Array], frozen: Any = None
+             ) -> tuple[jax.Array, jax.Array]:
+        return forward_loss(model, params, batch, compute_dtype, frozen)
 
-    return jax.jit(step, in_shardings=(params_shardings, batch_sharding(mesh)),
+    return jax.jit(step, in_shardings=(params_shardings, batch_sharding(mesh), frozen_shardings),
                    out_shardings=replicated(mesh))
 
 
@@ -231,11 +244,11 @@ def init_state(params: Any, optimizer: optax.GradientTransformation, mesh: Any
 
 
 def evaluate(eval_step: Callable, params: Any, batches: list[dict[str, np.ndarray]], mesh: Any,
-             ) -> tuple[float, float]:
-    """Mean loss over every real target of the eval set, and its perplexity."""
+             frozen: Any = None) -> tuple[float, float]:
+    """Mean loss over every loss-bearing target of the eval set, and its perplexity."""
     total, count = 0.0, 0.0
     for batch in batches:
-        s, n = jax.device_get(eval_step(params, global_batch(batch, mesh)))
+        s, n = jax.device_get(eval_step(params, global_batch(batch, mesh), frozen))
         total += float(s)
         count += float(n)
     loss = total / max(count, 1.0)

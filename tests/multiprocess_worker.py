@@ -70,11 +70,11 @@ def crash_and_resume(config, output_dir: str) -> tuple[list[float], int]:
     first = Experiment.prepare(config)
     real, calls = first.train_step, [0]
 
-    def step_or_crash(state, batch):
+    def step_or_crash(state, batch, frozen=None):
         calls[0] += 1
         if calls[0] == 5:
             raise RuntimeError("killed")
-        return real(state, batch)
+        return real(state, batch, frozen)
 
     first.__dict__["train_step"] = step_or_crash
     try:

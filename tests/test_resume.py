@@ -51,11 +51,11 @@ def _crash_at(experiment, step):
     real = experiment.train_step
     calls = {"n": experiment.start_step}
 
-    def step_or_crash(state, batch):
+    def step_or_crash(state, batch, frozen=None):
         calls["n"] += 1
         if calls["n"] == step:
             raise Crash(f"killed before step {step}")
-        return real(state, batch)
+        return real(state, batch, frozen)
 
     experiment.__dict__["train_step"] = step_or_crash
 
