@@ -15,7 +15,7 @@ export TF_CPP_MIN_LOG_LEVEL := 3
 
 DEMO_DIR ?= runs/demo
 
-.PHONY: help env libtpu demo test test-fast test-numerics lint lock notebooks lab image clean
+.PHONY: help env libtpu interop demo test test-fast test-numerics lint lock notebooks lab image clean
 
 help:
 	@echo "make demo   - set up, then fine-tune offline on the embedded corpus (notebooks/train.ipynb)"
@@ -23,6 +23,7 @@ help:
 	@echo "make test-fast     - the tests without notebooks and multi-process runs (~2 min)"
 	@echo "make test-numerics - the notebook regression tests under SSE4.2/1 core and AVX2 numerics"
 	@echo "make libtpu - the TPU compiler for exact memory plans (notebooks/plan.ipynb exact=True)"
+	@echo "make interop - export the tiny preset, load it with transformers and peft, compare logits"
 	@echo "make lint   - ruff"
 	@echo "make notebooks - re-execute the nbval regression copies in tests/notebooks/"
 	@echo "make lab    - JupyterLab on notebooks/ with the project's kernel (headless; LAB_IP, LAB_PORT)"
@@ -52,6 +53,25 @@ $(LIBTPU)/.installed: $(STAMP) uv.lock
 	touch $@
 
 libtpu: $(LIBTPU)/.installed
+
+# torch, transformers, peft and safetensors for bench/interop.py, outside .venv (torch from PyPI is
+# a CUDA build: ~3 GB, so never part of `make test`). The script appends .interop/ to sys.path
+# after .venv's packages, so jax, numpy etc. stay the ones of .venv.
+INTEROP := .interop
+INTEROP_DIR ?= runs/interop
+INTEROP_RUN ?=  # e.g. runs/demo: also export that finished run and compare greedy continuations
+$(INTEROP)/.installed: $(STAMP) uv.lock
+	rm -rf $(INTEROP) && mkdir -p $(INTEROP)
+	$(UV) export --frozen --only-group interop --no-emit-project -o $(INTEROP)/requirements.txt \
+		>/dev/null
+	$(UV) pip install --quiet --python $(VENV)/bin/python --target $(INTEROP) \
+		-r $(INTEROP)/requirements.txt
+	touch $@
+
+interop: $(STAMP) $(INTEROP)/.installed
+	rm -rf $(INTEROP_DIR)
+	$(VENV)/bin/python bench/interop.py --site-packages $(INTEROP) --out $(INTEROP_DIR) \
+		$(if $(INTEROP_RUN),--run $(INTEROP_RUN),)
 
 # A fresh run each time: a run directory that holds checkpoints would be resumed instead.
 demo: $(STAMP)
@@ -116,4 +136,4 @@ image:
 	docker build --target $(TARGET) -t $(IMAGE) .
 
 clean:
-	rm -rf $(VENV) $(TOOLS) $(LIBTPU) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) $(LIBTPU) $(INTEROP) runs .pytest_cache .ruff_cache
