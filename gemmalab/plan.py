@@ -171,6 +171,7 @@ class MemoryPlan:
     num_params: int
     compile_seconds: float | None = None
     analytic: MemoryPlan | None = None  # the estimate, beside a compiled plan
+    lora_rank: int = 0  # > 0: LoRA adapters train, the base is frozen in the compute dtype
 
     @property
     def per_device_bytes(self) -> int:
@@ -209,6 +210,7 @@ class MemoryPlan:
             "maxlen": self.maxlen,
             "grad_accum_steps": self.grad_accum_steps,
             "remat": self.remat,
+            "lora_rank": self.lora_rank,
             "param_dtype": self.param_dtype,
             "compute_dtype": self.compute_dtype,
             "flops_per_step": self.flops_per_step,
@@ -243,6 +245,16 @@ def abstract_params(model_config: Any, param_dtype: str) -> Any:
 
     model = gemma_lib.gm().nn.Transformer(config=model_config, dtype=jnp.dtype(param_dtype))
     return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+
+
+def adapter_params(model_config: Any, config: TrainConfig) -> Any:
+    """A LoRA run's trainable tree (its adapters), abstract; ``{}`` without LoRA."""
+    if not config.lora_rank:
+        return {}
+    from gemmalab import lora
+
+    return lora.abstract_adapters(model_config, rank=config.lora_rank,
+                                  modules=config.lora_modules, dtype=config.param_dtype)
 
 
 def resolved_mesh(config: TrainConfig, chips: int) -> dict[str, int]:
@@ -290,15 +302,20 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
         if mesh.FSDP_AXIS in tuple(spec):
             gathered[module] = gathered.get(module, 0) + per_device * sizes[mesh.FSDP_AXIS]
     num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
-    weights = sum(shards.values()) * p_size
+    # Without LoRA every weight trains; with it the adapters (replicated) train and the base
+    # weights are held once, frozen, in the compute dtype.
+    adapters = sum(leaf.size for leaf in jax.tree.leaves(adapter_params(model_config, config)))
+    trained = adapters if config.lora_rank else sum(shards.values())
+    base_size = c_size if config.lora_rank else p_size
+    weights = trained * p_size
     accumulating = config.grad_accum_steps > 1
     breakdown = {
-        "params": weights,
+        "params": (sum(shards.values()) * c_size + weights) if config.lora_rank else weights,
         "optimizer": 2 * weights,  # AdamW's two moments, in the params' dtype
         # Gradients of the compute-dtype weights, all alive for the global-norm clip; a
         # master-dtype accumulator besides them when micro-batches are summed.
-        "gradients": sum(shards.values()) * c_size + (weights if accumulating else 0),
-        "weight_copies": _weight_copy_bytes(shards, gathered, config.remat, p_size, c_size),
+        "gradients": trained * c_size + (weights if accumulating else 0),
+        "weight_copies": _weight_copy_bytes(shards, gathered, config.remat, base_size, c_size),
         "activations": _activation_bytes(model_config, sizes, config, c_size),
         "logits": _logits_bytes(config, sizes, vocab, data_ways),
         "batch": BATCH_FIELD_COUNT * 4 * config.batch_size // data_ways * config.maxlen,
@@ -310,8 +327,9 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
         batch_size=config.batch_size, maxlen=config.maxlen,
         grad_accum_steps=config.grad_accum_steps, remat=config.remat,
         param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
-        breakdown=breakdown, flops_per_step=model_flops(model_config, num_params, config),
-        num_params=num_params)
+        breakdown=breakdown,
+        flops_per_step=model_flops(model_config, num_params, config, adapters=adapters),
+        num_params=num_params + adapters, lora_rank=config.lora_rank)
 
 
 def _ways(axis: Any, sizes: dict[str, int]) -> int:
@@ -328,9 +346,11 @@ def _weight_copy_bytes(shards: dict[str, int], gathered: dict[str, int], remat: 
     The embedding's compute-dtype copy lives from the input lookup to the loss. Under fsdp the
     embedding is also all-gathered (in the params' dtype) for that whole time, and so is every
     block's weights without remat (the backward pass reuses the forward's gather); with remat
-    each block gathers again when recomputed, two blocks at a time.
+    each block gathers again when recomputed, two blocks at a time. (LoRA's base weights are
+    already in the compute dtype: ``p_size == c_size``, no cast copy.)
     """
-    embedding = shards.get("embedder", 0) * c_size + gathered.get("embedder", 0) * p_size
+    cast_copy = shards.get("embedder", 0) * c_size if p_size != c_size else 0
+    embedding = cast_copy + gathered.get("embedder", 0) * p_size
     blocks = [n for k, n in gathered.items() if k.startswith("layer_")]
     if remat == "none":
         return embedding + sum(blocks) * p_size
@@ -376,14 +396,17 @@ def _logits_bytes(config: TrainConfig, sizes: dict[str, int], vocab: int, data_w
     return 6 * -(-chunk // data_ways) * vocab_shard
 
 
-def model_flops(model_config: Any, num_params: int, config: TrainConfig) -> float:
+def model_flops(model_config: Any, num_params: int, config: TrainConfig, *,
+                adapters: int = 0) -> float:
     """Training FLOPs of one step: 6 per weight per token (the tied embedding counted once, as
     the output projection) plus attention's score and value products; remat's recompute is not
-    counted (these are the FLOPs MFU is measured against)."""
+    counted (these are the FLOPs MFU is measured against). With LoRA a frozen weight costs 4
+    (forward, and the gradient through it; none for itself) and each adapter weight 6."""
     tokens = config.batch_size * config.maxlen
     attention = (12 * model_config.num_layers * model_config.num_heads * model_config.head_dim
                  * config.maxlen)
-    return float(tokens * (6 * num_params + attention))
+    per_weight = 4 if config.lora_rank else 6
+    return float(tokens * (per_weight * num_params + 6 * adapters + attention))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,7 +467,8 @@ TOPOLOGIES = {"v6e": {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8
 
 def fit_table(kind: str = "v6e", chip_counts: tuple[int, ...] = (1, 4, 8, 16, 32),
               maxlens: tuple[int, ...] = (256, 2048), batch_size: int = 32,
-              models: tuple[str, ...] = TABLE_MODELS) -> list[dict[str, Any]]:
+              models: tuple[str, ...] = TABLE_MODELS, lora_rank: int = 0
+              ) -> list[dict[str, Any]]:
     """For each model x slice x maxlen: the first layout that fits (in ``suggest_fit``'s order,
     from plain data parallelism), or the most frugal one's size when none does."""
     rows = []
@@ -455,7 +479,7 @@ def fit_table(kind: str = "v6e", chip_counts: tuple[int, ...] = (1, 4, 8, 16, 32
                 shape = TOPOLOGIES[kind][chips] if kind in TOPOLOGIES else chips
                 accelerator = parse_accelerator(f"{kind}:{shape}")
                 config = TrainConfig(model=model, tokenizer="gemma3", maxlen=maxlen,
-                                     batch_size=max(batch_size, chips))
+                                     batch_size=max(batch_size, chips), lora_rank=lora_rank)
                 first = estimate(config, accelerator)
                 found = (({}, first) if first.fits else suggest_fit(config, accelerator))
                 if found:
@@ -598,7 +622,7 @@ def _compile_here(config: TrainConfig, accelerator: Accelerator) -> dict[str, An
     import optax
     from jax.experimental import topologies
 
-    from gemmalab import data, mesh, models, training
+    from gemmalab import data, lora, mesh, models, sharding, training
 
     start = time.perf_counter()
     topology = topologies.get_topology_desc(platform="tpu", topology_name=accelerator.topology)
@@ -607,6 +631,16 @@ def _compile_here(config: TrainConfig, accelerator: Accelerator) -> dict[str, An
     model = models.build_model(model_config, param_dtype=jnp.dtype(config.param_dtype),
                                remat=config.remat)
     params = abstract_params(model_config, config.param_dtype)
+    frozen = frozen_shardings = None
+    if config.lora_rank:  # the state: adapters; the base: a compute-dtype argument
+        model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha,
+                          modules=config.lora_modules, dtype=jnp.dtype(config.param_dtype))
+        base = abstract_params(model_config, config.compute_dtype)
+        frozen_shardings = sharding.param_sharding(base, device_mesh)
+        frozen = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                                       sharding=where),
+                              base, frozen_shardings)
+        params = adapter_params(model_config, config)
     schedule = optax.constant_schedule(1e-5)
     optimizer = training.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
                                         max_grad_norm=1.0)
@@ -617,8 +651,9 @@ def _compile_here(config: TrainConfig, accelerator: Accelerator) -> dict[str, An
     batch = {name: rows for name in data.BATCH_FIELDS}
     step = training.make_train_step(model, optimizer, schedule, jnp.dtype(config.compute_dtype),
                                     device_mesh, shardings,
-                                    grad_accum_steps=config.grad_accum_steps)
-    compiled = step.lower(abstract_state, batch).compile()
+                                    grad_accum_steps=config.grad_accum_steps,
+                                    frozen_shardings=frozen_shardings)
+    compiled = step.lower(abstract_state, batch, frozen).compile()
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -645,12 +680,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--maxlen", type=int, default=256)
     parser.add_argument("--remat", default="none")
     parser.add_argument("--grad-accum-steps", type=int, default=1)
+    parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
+    parser.add_argument("--lora-modules", default="all")
     parser.add_argument("--exact", action="store_true", help="compile with libtpu (TPU only)")
     parser.add_argument("--table", action="store_true",
                         help="markdown: what fits on 1-32 chips of --accelerator's kind")
     args = parser.parse_args(argv)
     if args.table:
-        rows = fit_table(parse_accelerator(args.accelerator).kind)
+        rows = fit_table(parse_accelerator(args.accelerator).kind, lora_rank=args.lora_rank)
         print("| " + " | ".join(rows[0]) + " |")
         print("|" + "---|" * len(rows[0]))
         for row in rows:
@@ -663,7 +700,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     config = TrainConfig(model=args.model, mesh=json.loads(args.mesh) if args.mesh else None,
                          batch_size=args.batch_size, maxlen=args.maxlen, remat=args.remat,
-                         grad_accum_steps=args.grad_accum_steps,
+                         grad_accum_steps=args.grad_accum_steps, lora_rank=args.lora_rank,
+                         lora_modules=args.lora_modules,
                          tokenizer="local" if args.model == "gemma3-tiny" else "gemma3")
     plan = (compile_plan if args.exact else estimate)(config, args.accelerator)
     print(json.dumps(plan.to_dict(), indent=2))

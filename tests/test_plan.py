@@ -5,10 +5,11 @@ import dataclasses
 import json
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
-from gemmalab import data, mesh, models, plan, sharding, training
+from gemmalab import data, lora, mesh, models, plan, sharding, training
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.experiment import Experiment
@@ -60,6 +61,32 @@ def test_weights_and_optimizer_bytes_are_those_of_the_real_shards(shape):
     # AdamW's moments, plus its step counters (a few bytes).
     assert sharding.shard_bytes(state.opt_state) - estimate.breakdown["optimizer"] in range(0, 64)
     assert estimate.num_params == models.parameter_count(params)
+
+
+@pytest.mark.parametrize("shape", [{"data": 8}, {"fsdp": 8}])
+def test_a_lora_plan_holds_the_frozen_base_once_and_trains_only_adapters(shape):
+    """LoRA: the base weights in the compute dtype, cut by the rules, plus replicated adapters
+    and their moments: the bytes a LoRA run's state and frozen base take on each device."""
+    config = _tiny(mesh=shape, lora_rank=4, compute_dtype="bfloat16")
+    estimate = plan.estimate(config, plan.attached_accelerator())
+    model_config = models.model_config("gemma3-tiny", 600)
+    device_mesh = mesh.make_mesh(shape)
+    base = models.init_params(models.build_model(model_config, param_dtype=jnp.bfloat16),
+                              seed=0, sample_length=8)
+    base = jax.device_put(base, sharding.param_sharding(base, device_mesh))
+    adapters = lora.init_adapters(model_config, rank=4, modules="all", dtype="float32", seed=0)
+    optimizer = training.make_optimizer(training.learning_rate_schedule(
+        1e-3, 10, warmup_ratio=0.0, min_lr_ratio=1.0), weight_decay=0.0, b1=0.9, b2=0.95,
+        max_grad_norm=1.0)
+    state, _ = training.init_state(adapters, optimizer, device_mesh)
+    assert estimate.breakdown["params"] == (sharding.shard_bytes(base)
+                                            + sharding.shard_bytes(state.params))
+    assert sharding.shard_bytes(state.opt_state) - estimate.breakdown["optimizer"] in range(0, 64)
+    # Gradients (compute dtype) of the adapters alone.
+    assert estimate.breakdown["gradients"] == 2 * models.parameter_count(adapters)
+    full = plan.estimate(dataclasses.replace(config, lora_rank=0), plan.attached_accelerator())
+    # No gradient for frozen weights: about 4 FLOPs per weight and token instead of 6.
+    assert estimate.flops_per_step / full.flops_per_step == pytest.approx(4 / 6, abs=0.06)
 
 
 def test_memory_moves_the_way_each_knob_says():

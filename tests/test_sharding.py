@@ -7,7 +7,7 @@ import optax
 import pytest
 from test_training import _batch
 
-from gemmalab import mesh, models, sharding, training
+from gemmalab import lora, mesh, models, sharding, training
 from gemmalab.config import PRESET_NAMES
 from gemmalab.errors import ConfigError
 
@@ -31,25 +31,36 @@ def test_an_unknown_weight_is_an_error():
 
 
 def _train(shape, devices, steps=20, compute_dtype=jnp.float32, num_slices=1,
-           grad_accum_steps=1, remat="none"):
-    model = models.build_model(models.model_config("gemma3-tiny", VOCAB), param_dtype=jnp.float32,
-                               remat=remat)
+           grad_accum_steps=1, remat="none", lora_rank=0):
+    config = models.model_config("gemma3-tiny", VOCAB)
+    model = models.build_model(config, param_dtype=jnp.float32, remat=remat)
     params = models.init_params(model, seed=0, sample_length=16)
     device_mesh = mesh.make_mesh(shape, devices, num_slices=num_slices)
+    frozen = frozen_shardings = None
+    if lora_rank:  # the base frozen (placed by the rules), adapters in the state
+        frozen_shardings = sharding.param_sharding(params, device_mesh)
+        frozen = jax.device_put(params, frozen_shardings)
+        model = lora.wrap(model, rank=lora_rank, alpha=2.0 * lora_rank, modules="all",
+                          dtype=jnp.float32)
+        params = lora.init_adapters(config, rank=lora_rank, modules="all", dtype="float32",
+                                    seed=1)
     schedule = training.learning_rate_schedule(3e-3, steps, warmup_ratio=0.1, min_lr_ratio=0.1)
     optimizer = training.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
                                         max_grad_norm=1.0)
     state, shardings = training.init_state(params, optimizer, device_mesh)
     step = training.make_train_step(model, optimizer, schedule, compute_dtype, device_mesh,
-                                    shardings, grad_accum_steps=grad_accum_steps)
+                                    shardings, grad_accum_steps=grad_accum_steps,
+                                    frozen_shardings=frozen_shardings)
     losses = []
     rows = 16 // jax.process_count()  # each process feeds its slice of the same global batch
     for i in range(steps):
         local = {k: v[jax.process_index() * rows:][:rows]
                  for k, v in _batch(rows=16, vocab=VOCAB, seed=i).items()}
         batch = mesh.global_batch(local, device_mesh)
-        state, metrics = step(state, batch)
+        state, metrics = step(state, batch, frozen)
         losses.append(float(metrics["loss"]))
+    if lora_rank:
+        return np.asarray(losses), state, frozen
     return np.asarray(losses), state
 
 
@@ -93,6 +104,19 @@ def test_meshes_train_like_one_device_and_really_shard(one_device, shape, q_shar
     per_device = sharding.shard_bytes(state.params)
     split = sizes["fsdp"] * sizes["tensor"]
     assert full / split <= per_device < full / split * 1.05  # norms (~1%) stay whole
+
+
+def test_lora_on_a_3d_mesh_trains_like_one_device():
+    """LoRA's frozen base split by the rules, its replicated adapters: one device's losses."""
+    reference, _, _ = _train({"data": 1}, jax.devices()[:1], steps=8, lora_rank=4)
+    losses, state, frozen = _train({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices(), steps=8,
+                                   lora_rank=4)
+    np.testing.assert_allclose(losses, reference, rtol=PARITY_RTOL[jnp.float32])
+    assert losses[-1] < losses[0]
+    q = frozen["layer_0"]["attn"]["q_einsum"]["w"]
+    assert q.addressable_shards[0].data.shape == (2, 64, 32)
+    adapter = state.params["layer_0"]["attn"]["q_einsum"]["_LoRAEinsum_0"]["lora"]["a"]
+    assert adapter.sharding.is_fully_replicated
 
 
 @pytest.mark.parametrize(("shape", "message"), [
