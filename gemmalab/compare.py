@@ -1,8 +1,10 @@
-"""Base vs fine-tuned: samples side by side and held-out perplexity (sample_compare.ipynb)."""
+"""Base vs fine-tuned: samples side by side, held-out perplexity, and for instruction runs the
+task metric (sample_compare.ipynb)."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from typing import Any
 
@@ -10,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from gemmalab import (
+    chat,
     checkpoints,
     data,
     gemma_lib,
@@ -21,9 +24,11 @@ from gemmalab import (
     storage,
     training,
 )
+from gemmalab.chat import Conversation
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.experiment import PreparedData, prepare_data
+from gemmalab.task_metric import fact_share, task_score
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +124,52 @@ def chat_replies(run: Run, contender: Contender, prompts: list[str], *, max_new_
                                   cache_length=sampling.SAMPLER_CACHE_LENGTH,
                                   max_out_length=max_new_tokens)
     return [sampling.Continuation(prompt, sampler.chat(prompt, rng=seed)) for prompt in prompts]
+
+
+# ---------------------------------------------------------------------------------------------
+# The task metric (instruction runs): does each reply contain what its instruction asked for?
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskResult:
+    scores: Any  # pandas: per contender, the share of instructions followed and of facts found
+    replies: reports.SamplesView  # every reply, side by side (frame: instruction x contender)
+
+
+def task_instructions(run: Run, count: int) -> list[Conversation]:
+    """The first ``count`` held-out conversations that name facts ([] for story runs)."""
+    if run.data.corpus.format != data.CHAT:
+        return []
+    rule = data.SplitRule(run.config.eval_fraction, run.config.max_eval_stories)
+    held_out = data.heldout_conversations(run.data.corpus.path, rule, run.config.datacount)
+    return list(itertools.islice((c for c in held_out if c.facts), count))
+
+
+def task_metric(run: Run, contenders: list[Contender], instructions: list[Conversation], *,
+                max_new_tokens: int, seed: int = 0) -> TaskResult:
+    """Greedy replies (chat template, stop at ``<end_of_turn>``) to held-out instructions by each
+    contender, scored by ``task_metric.task_score``."""
+    import pandas as pd
+
+    prompts = [chat.prompt_text(c.prompt_turns) for c in instructions]
+    facts = [c.facts for c in instructions]
+    compute = jnp.dtype(run.config.compute_dtype)
+    scores, replies, labels, columns = [], [], [], {}
+    for contender in contenders:
+        produced = sampling.continue_prompts(run.model, contender.params, run.data.tokenizer,
+                                             prompts, max_new_tokens=max_new_tokens,
+                                             compute_dtype=compute, seed=seed)
+        texts = [c.text for c in produced]
+        scores.append({"model": contender.name,
+                       "instructions followed": task_score(texts, facts),
+                       "facts found": fact_share(texts, facts)})
+        replies += produced
+        labels += [contender.name] * len(produced)
+        columns[contender.name] = texts
+    frame = pd.DataFrame({"instruction": [c.prompt_turns[-1][1] for c in instructions],
+                          "facts": [", ".join(f.values()) for f in facts], **columns})
+    table = pd.DataFrame(scores).set_index("model")
+    return TaskResult(table, reports.SamplesView(tuple(replies), tuple(labels), frame))
 
 
 def perplexity_table(run: Run, contenders: list[Contender]) -> Any:

@@ -4,24 +4,36 @@ Used as the offline, embedded training corpus: no download is needed, and the sa
 ``(num_stories, seed)`` always gives byte-identical text. The on-disk format matches
 ``TinyStories-train.txt``: each story is followed by a line holding ``<|endoftext|>``.
 
-Only the standard library is used, so importing this module is cheap.
+The same stories also make the embedded instruction set (``generate_instructions``): each is
+asked for by a prompt naming facts it contains, written as JSONL ``{"prompt", "response",
+"facts"}`` records (``data_path="embedded:instructions"``).
+
+Only the standard library is used (gemmalab.task_metric is too), so importing this is cheap.
 """
 
+import json
 import os
 import pathlib
 import random
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 
+from gemmalab.task_metric import mentions
+
 __all__ = [
     "GENERATOR_VERSION",
     "PLOT_TYPES",
     "SEPARATOR",
+    "INSTRUCTIONS_VERSION",
     "corpus_file_name",
     "embedded_corpus_path",
+    "embedded_instructions_path",
+    "generate_instructions",
     "generate_labeled_stories",
     "generate_stories",
+    "instructions_file_name",
     "write_corpus",
+    "write_instructions",
 ]
 
 SEPARATOR = "<|endoftext|>"
@@ -1277,7 +1289,8 @@ _TRAIT_LINES = (
 )
 
 
-def _story(r: random.Random) -> tuple[str, str]:
+def _story(r: random.Random) -> tuple[str, str, _Ctx]:
+    """``(plot, story, context)``: the context holds the facts the story was built from."""
     plot, fn = _PLOTS[r.randrange(len(_PLOTS))]
     c = _context(r)
     beats = fn(r, c)
@@ -1322,7 +1335,7 @@ def _story(r: random.Random) -> tuple[str, str]:
         chunks.append(_cap(p.format_map(c)))
     while chunks and chunks[-1] == _PARA:
         chunks.pop()
-    return plot, "".join(chunks).strip()
+    return plot, "".join(chunks).strip(), c
 
 
 # --------------------------------------------------------------------------------------
@@ -1330,18 +1343,23 @@ def _story(r: random.Random) -> tuple[str, str]:
 # --------------------------------------------------------------------------------------
 
 
-def generate_labeled_stories(num_stories: int, seed: int = 0) -> Iterator[tuple[str, str]]:
-    """Yield ``(plot_type, story)`` pairs; the stories are those of :func:`generate_stories`."""
+def _stories_with_context(num_stories: int, seed: int) -> Iterator[tuple[str, str, _Ctx]]:
     if num_stories < 0:
         raise ValueError(f"num_stories must be >= 0, got {num_stories}")
     r = random.Random(seed)
     for _ in range(num_stories):
-        plot, story = _story(r)
+        plot, story, c = _story(r)
         # Redraw the rare stories whose random choices all came out short.
         for _ in range(10):
             if len(story.split()) >= _MIN_WORDS:
                 break
-            plot, story = _story(r)
+            plot, story, c = _story(r)
+        yield plot, story, c
+
+
+def generate_labeled_stories(num_stories: int, seed: int = 0) -> Iterator[tuple[str, str]]:
+    """Yield ``(plot_type, story)`` pairs; the stories are those of :func:`generate_stories`."""
+    for plot, story, _ in _stories_with_context(num_stories, seed):
         yield plot, story
 
 
@@ -1349,6 +1367,86 @@ def generate_stories(num_stories: int, seed: int = 0) -> Iterator[str]:
     """Yield ``num_stories`` stories, deterministically for a given ``seed``."""
     for _, story in generate_labeled_stories(num_stories, seed):
         yield story
+
+
+# --------------------------------------------------------------------------------------
+# Instructions: the same stories, each asked for by a prompt that states its facts
+# --------------------------------------------------------------------------------------
+
+# Bump whenever the instruction wording or facts change (the stories follow GENERATOR_VERSION).
+INSTRUCTIONS_VERSION = 1
+# Per plot, what the prompt asks for, most specific first: (predicate, {fact: context key}).
+# The first whose facts all appear in the story is used, so every stated fact is in the response.
+_REQUESTS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
+    "lost_toy": (("loses {his} {toyn}", {"toy": "toyn"}),),
+    "new_friend": (("makes a new friend named {friend}", {"friend": "friend"}),),
+    "sharing": (("learns to share {his} {food}", {"food": "food"}),
+                ("learns to share with {his} friend {friend}", {"friend": "friend"}),
+                ("learns to share", {})),
+    "fear": (("learns to be brave", {}),),
+    "trip": (("goes to {place}", {"place": "place"}),),
+    "birthday": (("has a birthday party with a {flavor} cake", {"flavor": "flavor"}),
+                 ("has a birthday party", {})),
+    "helping": (("helps someone", {}),),
+    "rainy_day": (("wants to {indoor} on a rainy day", {"activity": "indoor"}),
+                  ("has fun on a rainy day", {})),
+    "mistake": (("makes a mistake", {}),),
+    "growing": (("grows {plant}", {"plant": "plant"}),),
+    "keep_trying": (("learns to {goal}", {"skill": "goal"}),),
+    "lost_animal": (("helps a lost {animal} find its {ahome}", {"animal": "animal"}),),
+}
+_ASKS = (
+    "Write a story about a {kind} named {name} who {predicate}.",
+    "Tell me a short story about a {kind} named {name} who {predicate}.",
+    "Can you write a story for children about a {kind} named {name} who {predicate}?",
+    "Write a children's story in which a {kind} named {name} {predicate}.",
+)
+
+
+def _request(plot: str, story: str, c: _Ctx) -> tuple[str, dict[str, str]]:
+    """The predicate and facts of the most specific request the story fulfils."""
+    for predicate, keys in _REQUESTS[plot]:
+        facts = {fact: c[key] for fact, key in keys.items()}
+        if all(mentions(story, value) for value in facts.values()):
+            return predicate.format_map(c), facts
+    return "has an adventure", {}
+
+
+def generate_instructions(num_instructions: int, seed: int = 0) -> Iterator[dict]:
+    """Yield ``{"prompt", "response", "facts"}`` records: the stories of
+    :func:`generate_stories` with the same arguments, each asked for by a prompt naming facts
+    (name, kind, plus the plot's object, place, ...) that its story contains."""
+    wording = random.Random(f"instructions-{seed}")  # the stories' own draws stay untouched
+    for plot, story, c in _stories_with_context(num_instructions, seed):
+        predicate, facts = _request(plot, story, c)
+        prompt = wording.choice(_ASKS).format(kind=c["kind"], name=c["name"],
+                                              predicate=predicate)
+        yield {"prompt": prompt, "response": story,
+               "facts": {"name": c["name"], "kind": c["kind"], **facts}}
+
+
+def write_instructions(path: str | os.PathLike, num_instructions: int, seed: int = 0
+                       ) -> pathlib.Path:
+    """Write instruction records to ``path`` as JSONL (one ``{"prompt", "response", "facts"}``
+    object per line): the format ``data_path`` accepts for instruction data."""
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8", newline="\n") as f:
+        for record in generate_instructions(num_instructions, seed):
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return out
+
+
+def instructions_file_name(num_instructions: int, seed: int = 0) -> str:
+    return (f"instructions-v{GENERATOR_VERSION}.{INSTRUCTIONS_VERSION}-n{num_instructions}"
+            f"-s{seed}.jsonl")
+
+
+def embedded_instructions_path(cache_dir: str | os.PathLike, num_instructions: int,
+                               seed: int = 0) -> pathlib.Path:
+    """The cached instruction set's path, generated once (atomically) if missing."""
+    return _cached(pathlib.Path(cache_dir) / instructions_file_name(num_instructions, seed),
+                   lambda tmp: write_instructions(tmp, num_instructions, seed))
 
 
 def write_corpus(path: str | os.PathLike, num_stories: int, seed: int = 0) -> pathlib.Path:
@@ -1373,15 +1471,19 @@ def embedded_corpus_path(
 ) -> pathlib.Path:
     """Return the path of the cached corpus file, generating it once (atomic write: temp file
     + os.replace) if missing."""
-    directory = pathlib.Path(cache_dir)
-    target = directory / corpus_file_name(num_stories, seed)
+    return _cached(pathlib.Path(cache_dir) / corpus_file_name(num_stories, seed),
+                   lambda tmp: write_corpus(tmp, num_stories, seed))
+
+
+def _cached(target: pathlib.Path, write: Callable[[str], object]) -> pathlib.Path:
+    """``target``, written once by ``write(temporary path)`` then renamed into place."""
     if target.is_file():
         return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".stories-", suffix=".tmp")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".tmp")
     os.close(fd)
     try:
-        write_corpus(tmp, num_stories, seed)
+        write(tmp)
         os.replace(tmp, target)
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)

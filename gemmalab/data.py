@@ -1,10 +1,15 @@
-"""Stories in, training rows out.
+"""Stories (or conversations) in, training rows out.
 
 TinyStories format (UTF-8, stories separated by ``<|endoftext|>``) is streamed, split into a
 deterministic held-out eval set and per-process train shards, tokenized once as BOS + ids + EOS
 in worker processes and cached on disk. Rows are built by a grain pipeline: packed (several
 stories per row, segment ids and per-story positions) or one story per row, padded. Every row
-carries a loss mask (``segment_ids > 0``): padding is never a target.
+carries a loss mask: padding is never a target.
+
+Instruction/chat data (JSONL, gemmalab.records) takes the same path: each conversation is one
+document in Gemma's chat template (gemmalab.chat), cached with a per-token loss mask beside its
+tokens (only the model's turns bear loss unless ``train_on_prompt``); packing keeps each
+conversation whole in one segment where it fits.
 
 A story longer than ``maxlen`` is never truncated: it is cut into consecutive windows of
 ``maxlen`` next-token pairs, so every token of the corpus is a target exactly once per epoch.
@@ -30,14 +35,21 @@ from typing import Any
 
 import numpy as np
 
-from gemmalab import storage
+from gemmalab import records, storage
+from gemmalab.chat import Conversation
+from gemmalab.config import EMBEDDED_INSTRUCTIONS
 from gemmalab.corpus import SEPARATOR
 from gemmalab.errors import ConfigError
-from gemmalab.tokenizer import TokenizerInfo, encode_stories, init_encoder
+from gemmalab.tokenizer import (
+    TokenizerInfo,
+    encode_conversations,
+    encode_stories,
+    init_encoder,
+)
 
 READ_CHUNK_BYTES = 8 << 20
 SEPARATOR_SCAN_BYTES = 64 << 20
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: chat data, with a loss mask beside its tokens
 STORIES_PER_TASK = 256
 MAX_TOKENIZE_WORKERS = 32  # TPU hosts have 100+ vCPUs; beyond this, reading the file is the limit
 # Best-fit over this many open rows packs ~96% real tokens at maxlen 256 with ~130-token stories
@@ -53,6 +65,9 @@ Batch = dict[str, np.ndarray]
 # Reading the corpus.
 
 
+TEXT, CHAT = "text", "chat"  # Corpus.format
+
+
 @dataclasses.dataclass(frozen=True)
 class Corpus:
     """A resolved data source: where it is and what identifies its content."""
@@ -60,32 +75,49 @@ class Corpus:
     path: str
     fingerprint: str
     embedded: bool
+    format: str = TEXT  # TEXT: <|endoftext|>-separated stories; CHAT: JSONL conversations
+    bad_records: int = 0  # JSONL records skipped (skip_bad_records)
 
 
-def resolve_corpus(data_path: str, *, cache_dir: Path, embedded_stories: int, seed: int) -> Corpus:
-    """Validate ``data_path`` (or generate the embedded corpus) before any expensive work."""
+def resolve_corpus(data_path: str, *, cache_dir: Path, embedded_stories: int, seed: int,
+                   skip_bad_records: bool = False) -> Corpus:
+    """Validate ``data_path`` (or generate an embedded data set) before any expensive work."""
+    from gemmalab import corpus
+
     if not data_path:
-        from gemmalab import corpus
-
         path = corpus.embedded_corpus_path(cache_dir / "corpus", embedded_stories, seed=seed)
         return Corpus(str(path), _fingerprint(str(path)), embedded=True)
+    if data_path == EMBEDDED_INSTRUCTIONS:  # generated as JSONL, then read like a user's file
+        path = str(corpus.embedded_instructions_path(cache_dir / "corpus", embedded_stories,
+                                                     seed=seed))
+        return Corpus(path, _fingerprint(path), embedded=True, format=CHAT)
+    _require_data_file(data_path)
+    if records.is_jsonl(data_path):
+        counts = records.validate(data_path, skip_bad_records=skip_bad_records)
+        return Corpus(data_path, _fingerprint(data_path), embedded=False, format=CHAT,
+                      bad_records=counts.bad_records)
     validate_data_file(data_path)
     return Corpus(data_path, _fingerprint(data_path), embedded=False)
 
 
-def validate_data_file(path: str) -> None:
-    """Missing, empty, non-UTF-8 or separator-less files fail here with a one-line fix."""
+def _require_data_file(path: str) -> None:
+    """Missing, unreadable or empty files fail here with a one-line fix."""
     if storage.is_gcs(path):
         storage.require_gcs_credentials("data_path", path)
     if not storage.exists(path):
         raise ConfigError("data_path", f"{path} does not exist",
-                          "point data_path at a TinyStories-format text file, or '' for the "
-                          "embedded corpus")
+                          "point data_path at a TinyStories-format text file or a JSONL "
+                          "instruction file, or '' for the embedded corpus")
     if not storage.is_gcs(path) and not os.path.isfile(path):
         raise ConfigError("data_path", f"{path} is not a file", "name the text file itself")
     if storage.file_size(path) == 0:
         raise ConfigError("data_path", f"{path} is empty",
                           "write stories separated by <|endoftext|> into it")
+
+
+def validate_data_file(path: str) -> None:
+    """Missing, empty, non-UTF-8 or separator-less text files fail here with a one-line fix."""
+    _require_data_file(path)
     with storage.open_binary(path) as f:
         head = f.read(SEPARATOR_SCAN_BYTES)
     try:
@@ -95,7 +127,8 @@ def validate_data_file(path: str) -> None:
     if SEPARATOR not in text:
         scope = "" if len(head) < SEPARATOR_SCAN_BYTES else " in its first 64 MB"
         raise ConfigError("data_path", f"{path} has no {SEPARATOR} separator{scope}",
-                          f"end every story (even a single document) with {SEPARATOR}")
+                          f"end every story (even a single document) with {SEPARATOR}, or "
+                          "give instruction data as .jsonl")
     if not text.replace(SEPARATOR, "").strip():
         raise ConfigError("data_path", f"{path} holds only separators and whitespace",
                           "add story text between the separators")
@@ -177,11 +210,28 @@ class SplitRule:
                 n_train += 1
 
 
+def iter_documents(path: str) -> Iterator[str] | Iterator[Conversation]:
+    """Stories of a text file, or the good conversations of a JSONL file."""
+    return records.iter_conversations(path) if records.is_jsonl(path) else iter_stories(path)
+
+
 def training_stories(path: str, rule: SplitRule, datacount: int | None) -> Iterator[str]:
-    """All train-split stories (every shard): what a local tokenizer is trained on."""
+    """All train-split documents (every shard) as text: what a local tokenizer is trained on
+    (conversations in their chat template, whose turn markers it keeps whole)."""
+    from gemmalab.chat import format_text
+
     whole = dataclasses.replace(rule, process_index=0, process_count=1)
-    labelled = whole.label_stories(iter_stories(path), datacount)
-    return (story for label, story in labelled if label == "train")
+    labelled = whole.label_stories(iter_documents(path), datacount)
+    return (doc if isinstance(doc, str) else format_text(doc)
+            for label, doc in labelled if label == "train")
+
+
+def heldout_conversations(path: str, rule: SplitRule, datacount: int | None
+                          ) -> Iterator[Conversation]:
+    """The eval split's conversations (with their facts), as the token cache holds them."""
+    whole = dataclasses.replace(rule, process_index=0, process_count=1)
+    labelled = whole.label_stories(records.iter_conversations(path), datacount)
+    return (doc for label, doc in labelled if label == "eval")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,10 +240,21 @@ def training_stories(path: str, rule: SplitRule, datacount: int | None) -> Itera
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedSplit:
-    """Documents as one flat int32 token array plus offsets (memory-mapped from the cache)."""
+    """Documents as one flat int32 token array plus offsets (memory-mapped from the cache).
+
+    Chat data also has ``response_mask`` (uint8, one per token): 1 where that token, as a
+    target, is the model's (its turns' content and closing ``<end_of_turn>``).
+    """
 
     tokens: np.ndarray
     offsets: np.ndarray  # int64 [num_docs + 1]
+    response_mask: np.ndarray | None = None  # None: every target bears loss (stories)
+    train_on_prompt: bool = False  # chat: every target bears loss, the prompt's too
+
+    @property
+    def loss_mask(self) -> np.ndarray | None:
+        """Per token: does it bear loss as a target? ``None``: all do."""
+        return None if self.train_on_prompt else self.response_mask
 
     @property
     def num_docs(self) -> int:
@@ -215,8 +276,12 @@ class TokenCache:
 
 
 def load_or_build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule: SplitRule,
-                              datacount: int | None, cache_dir: Path, workers: int) -> TokenCache:
-    """Tokenize this process's stories once; later runs and epochs reuse the cache."""
+                              datacount: int | None, cache_dir: Path, workers: int,
+                              train_on_prompt: bool = False) -> TokenCache:
+    """Tokenize this process's stories once; later runs and epochs reuse the cache.
+
+    ``train_on_prompt`` (chat data) is applied when the cache is opened: one cache serves both.
+    """
     key_fields = {
         "version": CACHE_FORMAT_VERSION, "corpus": corpus_.fingerprint,
         "tokenizer": tokenizer.fingerprint, "datacount": datacount,
@@ -232,32 +297,51 @@ def load_or_build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule
     if datacount is not None and meta["stories_read"] < datacount:
         warnings.warn(f"datacount={datacount} but {corpus_.path} has only "
                       f"{meta['stories_read']} stories: using all of them", stacklevel=2)
-    return TokenCache(train=_open_split(directory, "train"), eval=_open_split(directory, "eval"),
-                      meta=meta)
+    return TokenCache(train=_open_split(directory, "train", train_on_prompt),
+                      eval=_open_split(directory, "eval", train_on_prompt), meta=meta)
 
 
-def _open_split(directory: Path, name: str) -> TokenizedSplit:
+def _open_split(directory: Path, name: str, train_on_prompt: bool) -> TokenizedSplit:
     offsets = np.load(directory / f"{name}_offsets.npy")
-    path = directory / f"{name}_tokens.bin"
-    tokens = (np.memmap(path, dtype=np.int32, mode="r") if offsets[-1] > 0
-              else np.zeros(0, np.int32))
-    return TokenizedSplit(tokens=tokens, offsets=offsets)
+
+    def mapped(suffix: str, dtype: Any) -> np.ndarray:
+        return (np.memmap(directory / f"{name}_{suffix}.bin", dtype=dtype, mode="r")
+                if offsets[-1] > 0 else np.zeros(0, dtype))
+
+    mask = mapped("mask", np.uint8) if (directory / f"{name}_mask.bin").exists() else None
+    return TokenizedSplit(tokens=mapped("tokens", np.int32), offsets=offsets,
+                          response_mask=mask, train_on_prompt=train_on_prompt)
 
 
 class _SplitWriter:
-    def __init__(self, directory: Path, name: str):
+    """``<name>_tokens.bin`` and ``<name>_offsets.npy``; for chat data also ``<name>_mask.bin``
+    (uint8 per token, parallel to the tokens)."""
+
+    def __init__(self, directory: Path, name: str, *, with_mask: bool):
         self.directory, self.name = directory, name
         self.file = open(directory / f"{name}_tokens.bin", "wb")  # noqa: SIM115 - closed in close()
+        self.mask_file = (open(directory / f"{name}_mask.bin", "wb")  # noqa: SIM115
+                          if with_mask else None)
         self.offsets = [0]
+        self.loss_targets = 0
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, encoded: np.ndarray | tuple[np.ndarray, np.ndarray]) -> None:
+        ids, mask = encoded if isinstance(encoded, tuple) else (encoded, None)
         ids.tofile(self.file)
+        if self.mask_file is not None:
+            mask.tofile(self.mask_file)
+            self.loss_targets += int(mask.sum())
         self.offsets.append(self.offsets[-1] + len(ids))
 
     def close(self) -> dict[str, int]:
         self.file.close()
         np.save(self.directory / f"{self.name}_offsets.npy", np.asarray(self.offsets, np.int64))
-        return {f"{self.name}_docs": len(self.offsets) - 1, f"{self.name}_tokens": self.offsets[-1]}
+        counts = {f"{self.name}_docs": len(self.offsets) - 1,
+                  f"{self.name}_tokens": self.offsets[-1]}
+        if self.mask_file is not None:
+            self.mask_file.close()
+            counts[f"{self.name}_response_tokens"] = self.loss_targets
+        return counts
 
 
 def _build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule: SplitRule,
@@ -266,13 +350,17 @@ def _build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule: Split
     tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    writers = {"train": _SplitWriter(tmp, "train"), "eval": _SplitWriter(tmp, "eval")}
-    counter = _CountingIterator(iter_stories(corpus_.path))
+    chat = corpus_.format == CHAT
+    writers = {name: _SplitWriter(tmp, name, with_mask=chat) for name in ("train", "eval")}
+    counter = _CountingIterator(iter_documents(corpus_.path))
     labelled = rule.label_stories(counter, datacount)
-    for label, ids in _tokenize_in_order(labelled, tokenizer.model_proto, workers):
-        writers[label].add(ids)
+    encode = encode_conversations if chat else encode_stories
+    for label, encoded in _tokenize_in_order(labelled, tokenizer.model_proto, workers, encode):
+        writers[label].add(encoded)
     meta = {**writers["train"].close(), **writers["eval"].close(), "stories_read": counter.count,
             "corpus_path": corpus_.path, "tokenizer": tokenizer.name, "key": key_fields}
+    if chat:
+        meta["data_format"] = CHAT
     if meta["train_docs"] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError("datacount" if datacount else "data_path",
@@ -285,33 +373,34 @@ def _build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule: Split
 
 
 class _CountingIterator:
-    def __init__(self, it: Iterator[str]):
+    def __init__(self, it: Iterator[Any]):
         self.it, self.count = it, 0
 
     def __iter__(self) -> _CountingIterator:
         return self
 
-    def __next__(self) -> str:
+    def __next__(self) -> Any:
         item = next(self.it)
         self.count += 1
         return item
 
 
-def _tokenize_in_order(labelled: Iterator[tuple[str, str]], model_proto: bytes, workers: int
-                       ) -> Iterator[tuple[str, np.ndarray]]:
-    """Encode in worker processes with bounded memory, yielding results in input order."""
+def _tokenize_in_order(labelled: Iterator[tuple[str, Any]], model_proto: bytes, workers: int,
+                       encode: Any = encode_stories) -> Iterator[tuple[str, Any]]:
+    """Encode (``encode``: a picklable function of a list of documents) in worker processes
+    with bounded memory, yielding results in input order."""
     tasks = _batched(labelled, STORIES_PER_TASK)
     workers = workers or min(os.cpu_count() or 1, MAX_TOKENIZE_WORKERS)
     if workers <= 1:
         init_encoder(model_proto)
         for labels, stories in tasks:
-            yield from zip(labels, encode_stories(stories), strict=True)
+            yield from zip(labels, encode(stories), strict=True)
         return
     # spawn, not fork: the parent may hold JAX's threads.
     with multiprocessing.get_context("spawn").Pool(workers, init_encoder, (model_proto,)) as pool:
         in_flight: collections.deque = collections.deque()
         for labels, stories in tasks:
-            in_flight.append((labels, pool.apply_async(encode_stories, (stories,))))
+            in_flight.append((labels, pool.apply_async(encode, (stories,))))
             if len(in_flight) >= 4 * workers:  # backpressure: never read ahead of the workers
                 done_labels, result = in_flight.popleft()
                 yield from zip(done_labels, result.get(), strict=True)
@@ -320,10 +409,10 @@ def _tokenize_in_order(labelled: Iterator[tuple[str, str]], model_proto: bytes, 
             yield from zip(done_labels, result.get(), strict=True)
 
 
-def _batched(labelled: Iterator[tuple[str, str]], size: int
-             ) -> Iterator[tuple[list[str], list[str]]]:
+def _batched(labelled: Iterator[tuple[str, Any]], size: int
+             ) -> Iterator[tuple[list[str], list[Any]]]:
     labels: list[str] = []
-    stories: list[str] = []
+    stories: list[Any] = []
     for label, story in labelled:
         labels.append(label)
         stories.append(story)
@@ -356,12 +445,22 @@ class WindowSource:
         return len(self.doc)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        seq = np.asarray(self.split.tokens[self.start[index]:self.end[index]], dtype=np.int32)
-        return {"inputs": seq[:-1], "targets": seq[1:]}
+        start, end = self.start[index], self.end[index]
+        seq = np.asarray(self.split.tokens[start:end], dtype=np.int32)
+        mask = self.split.loss_mask
+        loss_mask = (np.ones(len(seq) - 1, np.int32) if mask is None
+                     else np.asarray(mask[start + 1:end], dtype=np.int32))
+        return {"inputs": seq[:-1], "targets": seq[1:], "loss_mask": loss_mask}
 
     @property
     def num_targets(self) -> int:
         return int(np.sum(self.end - self.start - 1))
+
+    @property
+    def num_loss_targets(self) -> int:
+        """Targets that bear loss (``num_targets`` but the prompts' for chat data)."""
+        mask = self.split.loss_mask  # 0 at each document's BOS, which is never a target
+        return self.num_targets if mask is None else int(np.sum(mask, dtype=np.int64))
 
 
 def _pad_window(window: dict[str, np.ndarray], maxlen: int) -> Batch:
@@ -371,17 +470,19 @@ def _pad_window(window: dict[str, np.ndarray], maxlen: int) -> Batch:
     row["targets"][:n] = window["targets"]
     row["segment_ids"][:n] = 1
     row["positions"] = np.arange(maxlen, dtype=np.int32)
-    row["loss_mask"] = row["segment_ids"].copy()
+    row["loss_mask"] = np.zeros(maxlen, np.int32)
+    row["loss_mask"][:n] = window["loss_mask"]
     return row
 
 
 def _from_packed(packed: dict[str, np.ndarray]) -> Batch:
+    real = packed["inputs_segment_ids"] > 0
     return {
         "tokens": packed["inputs"].astype(np.int32),
         "targets": packed["targets"].astype(np.int32),
         "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
         "positions": packed["inputs_positions"].astype(np.int32),
-        "loss_mask": (packed["inputs_segment_ids"] > 0).astype(np.int32),
+        "loss_mask": (packed["loss_mask"] * real).astype(np.int32),
     }
 
 
@@ -392,7 +493,7 @@ def rows_dataset(windows: Any, *, maxlen: int, packing: bool, num_bins: int, see
 
     if packing:
         packed = grain.experimental.BestFitPackIterDataset(
-            windows, length_struct={"inputs": maxlen, "targets": maxlen},
+            windows, length_struct={"inputs": maxlen, "targets": maxlen, "loss_mask": maxlen},
             num_packing_bins=num_bins, seed=seed, shuffle_bins=shuffle_bins)
         return packed.map(_from_packed)
     return windows.map(lambda w: _pad_window(w, maxlen))
@@ -438,6 +539,24 @@ def eval_batches(split: TokenizedSplit, *, maxlen: int, batch_size: int, packing
         lo = start + process_index * per_process
         batches.append({k: v[lo:lo + per_process] for k, v in padded.items()})
     return batches
+
+
+def data_stats(corpus_: Corpus, cache: TokenCache, windows: WindowSource) -> dict[str, Any]:
+    """What a run trains on (``summary.json``'s "data"): cache counts, windows, and for chat
+    data the loss-bearing targets, conversations split over ``maxlen`` and bad records skipped.
+    """
+    chat = corpus_.format == CHAT
+    stats = {**cache.meta, "train_windows": len(windows),
+             "train_target_tokens": windows.num_targets}
+    if chat:
+        stats["train_loss_target_tokens"] = windows.num_loss_targets
+    split_key = "conversations_split_over_maxlen" if chat else "stories_split_over_maxlen"
+    stats[split_key] = windows.num_split_docs
+    stats.update({"corpus_path": corpus_.path, "embedded_corpus": corpus_.embedded})
+    if chat:
+        stats["bad_records_skipped"] = corpus_.bad_records
+    stats.pop("key", None)
+    return stats
 
 
 def steps_per_epoch(num_targets_global: int, num_windows_global: int, *, batch_size: int,

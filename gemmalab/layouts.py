@@ -6,6 +6,9 @@ Three layouts are compared on the tokenized stories (BOS + tokens + EOS):
 - ``split`` — gemmalab with ``packing=False``: one story per row, long stories split into several
   rows (nothing lost), padded;
 - ``pack`` — gemmalab with ``packing=True``: best-fit packing of (split) stories into rows.
+
+For chat data: rows with the loss-bearing targets marked, prompt vs response token counts, and
+what ``maxlen`` cuts.
 """
 
 from __future__ import annotations
@@ -65,45 +68,138 @@ def layout_table(lengths: np.ndarray, maxlens: list[int], *, seed: int = 0) -> A
     return pd.DataFrame.from_records(records).set_index("maxlen")
 
 
+TARGET_OPEN, TARGET_CLOSE = "⟦", "⟧"  # around the tokens that bear loss (mark_targets)
+
+
 def render_row(tokenizer: Any, tokens: np.ndarray, targets: np.ndarray,
-               segment_ids: np.ndarray) -> str:
-    """A row as text with special tokens visible: ``<bos>``, ``<eos>``, ``<pad>×N``.
+               segment_ids: np.ndarray, loss_mask: np.ndarray | None = None) -> str:
+    """A row as text with special tokens visible: ``<bos>``, ``<eos>``, ``<pad>×N`` (and the
+    chat template's ``<start_of_turn>``/``<end_of_turn>``).
 
     Each segment is shown as its first input followed by its targets, so a whole story reads
-    ``<bos>…<eos>`` (the final EOS is a target, never an input).
+    ``<bos>…<eos>`` (the final EOS is a target, never an input). With ``loss_mask`` the targets
+    that bear loss are wrapped in ``⟦…⟧``: in a chat row, the model's replies.
     """
-    special = {int(tokenizer.special_tokens.PAD): "<pad>", int(tokenizer.special_tokens.BOS):
-               "<bos>", int(tokenizer.special_tokens.EOS): "<eos>"}
+    names = _special_names(tokenizer)
     parts: list[str] = []
     for segment in dict.fromkeys(segment_ids[segment_ids > 0].tolist()):
         where = np.flatnonzero(segment_ids == segment)
         ids = [int(tokens[where[0]]), *targets[where].tolist()]
-        run: list[int] = []
-        for token in ids:
-            if token in special:
-                if run:
-                    parts.append(tokenizer.decode(run))
-                    run = []
-                parts.append(special[token])
-            else:
-                run.append(token)
-        if run:
-            parts.append(tokenizer.decode(run))
+        marked = [False, *(loss_mask[where] > 0 if loss_mask is not None else [False] * len(where))]
+        parts.append(_render_ids(tokenizer, ids, marked, names))
     padding = int(np.sum(segment_ids == 0))
     if padding:
         parts.append(f"<pad>×{padding}")
     return "".join(parts)
 
 
+def _special_names(tokenizer: Any) -> dict[int, str]:
+    specials = tokenizer.special_tokens
+    names = {"PAD": "<pad>", "BOS": "<bos>", "EOS": "<eos>", "START_OF_TURN": "<start_of_turn>",
+             "END_OF_TURN": "<end_of_turn>"}
+    return {int(getattr(specials, key)): name for key, name in names.items()
+            if hasattr(specials, key)}
+
+
+def _render_ids(tokenizer: Any, ids: list[int], marked: list[bool], names: dict[int, str]) -> str:
+    """Runs of ordinary tokens decoded together; special tokens by name; marked runs in ⟦…⟧."""
+    parts: list[str] = []
+    run: list[int] = []
+    inside = False
+    for token, mark in zip([*ids, None], [*marked, False], strict=True):
+        if run and (token is None or token in names or mark != inside):
+            parts.append(tokenizer.decode(run))
+            run = []
+        if mark != inside:
+            parts.append(TARGET_OPEN if mark else TARGET_CLOSE)
+            inside = mark
+        if token in names:
+            parts.append(names[token])
+        elif token is not None:
+            run.append(token)
+    return "".join(parts)
+
+
 def example_rows(tokenizer: Any, split: data.TokenizedSplit, *, maxlen: int, packing: bool,
-                 count: int = 2) -> list[str]:
-    """The first ``count`` rows of the eval layout, rendered with ``render_row``."""
+                 count: int = 2, mark_targets: bool = False) -> list[str]:
+    """The first ``count`` rows of the eval layout, rendered with ``render_row`` (the targets
+    that bear loss in ``⟦…⟧`` with ``mark_targets``)."""
     batches = data.eval_batches(split, maxlen=maxlen, batch_size=count, packing=packing)
     if not batches:
         return []
     batch = batches[0]
-    return [render_row(tokenizer, batch["tokens"][i], batch["targets"][i], batch["segment_ids"][i])
+    return [render_row(tokenizer, batch["tokens"][i], batch["targets"][i], batch["segment_ids"][i],
+                       batch["loss_mask"][i] if mark_targets else None)
             for i in range(len(batch["tokens"]))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat data: prompts vs responses.
+
+CHAT_SAMPLE = 20_000  # conversations the splitting table looks at (it reads their masks)
+
+
+def response_lengths(split: data.TokenizedSplit) -> tuple[np.ndarray, np.ndarray]:
+    """Per conversation: tokens outside the model's turns (BOS, headers, user text) and in them
+    (the targets that bear loss without ``train_on_prompt``)."""
+    lengths = split.lengths
+    if split.response_mask is None or not len(lengths):
+        return lengths, np.zeros_like(lengths)
+    sums = np.add.reduceat(np.asarray(split.response_mask, np.int64), split.offsets[:-1])
+    response = np.where(lengths > 0, sums, 0)
+    return lengths - response, response
+
+
+def chat_token_table(split: data.TokenizedSplit) -> Any:
+    """Token counts of prompts vs responses per conversation (pandas)."""
+    import pandas as pd
+
+    rows = {}
+    for name, counts in zip(("prompt (no loss)", "response (loss)"), response_lengths(split),
+                            strict=True):
+        rows[name] = {"total": int(counts.sum()), "mean": float(np.mean(counts)),
+                      "median": float(np.median(counts)),
+                      "95th percentile": float(np.percentile(counts, 95)),
+                      "longest": int(np.max(counts))}
+    table = pd.DataFrame.from_dict(rows, orient="index")
+    table.insert(1, "share", table["total"] / table["total"].sum())
+    return table.rename_axis("tokens per conversation")
+
+
+def chat_split_table(split: data.TokenizedSplit, maxlens: list[int]) -> Any:
+    """Per ``maxlen``: conversations too long for one row (cut into windows, never dropped),
+    windows left without a loss-bearing target, and response tokens that train without the
+    start of their conversation in view (pandas; the first ``CHAT_SAMPLE`` conversations)."""
+    import pandas as pd
+
+    head = _first_docs(split, CHAT_SAMPLE)
+    mask = head.loss_mask
+    bearing = (np.ones(len(head.tokens), np.int64) if mask is None
+               else np.asarray(mask, np.int64))
+    cumulative = np.concatenate([[0], np.cumsum(bearing)])
+    records = []
+    for maxlen in maxlens:
+        windows = data.WindowSource(head, maxlen)
+        # Targets of a window are tokens start+1 .. end-1.
+        per_window = cumulative[windows.end] - cumulative[windows.start + 1]
+        later = windows.start != head.offsets[windows.doc]
+        records.append({
+            "maxlen": maxlen,
+            "conversations over maxlen": windows.num_split_docs,
+            "windows": len(windows),
+            "windows without a loss target": int(np.sum(per_window == 0)),
+            "loss targets cut from their conversation's start": float(
+                per_window[later].sum() / max(1, per_window.sum())),
+        })
+    return pd.DataFrame.from_records(records).set_index("maxlen")
+
+
+def _first_docs(split: data.TokenizedSplit, count: int) -> data.TokenizedSplit:
+    offsets = split.offsets[:count + 1]
+    end = int(offsets[-1])
+    mask = None if split.response_mask is None else split.response_mask[:end]
+    return data.TokenizedSplit(tokens=split.tokens[:end], offsets=offsets, response_mask=mask,
+                               train_on_prompt=split.train_on_prompt)
 
 
 def length_figure(lengths: np.ndarray, maxlen: int) -> Any:

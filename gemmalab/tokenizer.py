@@ -102,6 +102,14 @@ def encode_stories(stories: list[str]) -> list[np.ndarray]:
     return [np.asarray([BOS_ID, *ids, EOS_ID], dtype=np.int32) for ids in encoded]
 
 
+def encode_conversations(conversations: list[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, loss_mask)`` of each ``chat.Conversation`` in Gemma's chat template (needs
+    ``init_encoder`` first)."""
+    from gemmalab import chat
+
+    return [chat.encode(_worker_processor, conversation) for conversation in conversations]
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading.
 

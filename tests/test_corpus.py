@@ -125,3 +125,35 @@ def test_articles(stories: list[str]) -> None:
     for s in stories:
         assert not re.search(r"\ba [aeiouAEIOU]", s), s
         assert not re.search(r"\ban [^aeiouhAEIOUH\s]", s), s
+
+
+# --- the embedded instruction set ----------------------------------------------------------
+
+
+def test_instructions_ask_for_the_facts_their_stories_contain(labeled) -> None:
+    from gemmalab.task_metric import follows
+
+    records = list(corpus.generate_instructions(SAMPLE, seed=0))
+    assert [r["response"] for r in records] == [story for _, story in labeled]  # same generator
+    for record in records:
+        facts = record["facts"]
+        assert follows(record["response"], facts), record
+        assert f"a {facts['kind']} named {facts['name']} " in record["prompt"]
+        assert all(value in record["prompt"] for value in facts.values()), record
+    assert sum(len(r["facts"]) > 2 for r in records) > 0.6 * SAMPLE  # most name an object too
+    assert len({r["prompt"] for r in records}) > 0.85 * SAMPLE
+
+
+def test_embedded_instructions_round_trip_through_the_jsonl_reader(tmp_path) -> None:
+    from gemmalab import records
+
+    path = corpus.embedded_instructions_path(tmp_path, 50, seed=4)
+    version = f"{GENERATOR_VERSION}.{corpus.INSTRUCTIONS_VERSION}"
+    assert path.name == f"instructions-v{version}-n50-s4.jsonl"
+    assert corpus.embedded_instructions_path(tmp_path, 50, seed=4) == path  # cached
+    assert sorted(x.name for x in tmp_path.iterdir()) == [path.name]  # no temp files left
+    assert records.validate(str(path), skip_bad_records=False).records == 50
+    expected = list(corpus.generate_instructions(50, seed=4))
+    for conversation, record in zip(records.iter_conversations(str(path)), expected, strict=True):
+        assert conversation.turns == (("user", record["prompt"]), ("model", record["response"]))
+        assert conversation.facts == record["facts"]
