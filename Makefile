@@ -108,7 +108,8 @@ test-numerics: $(STAMP)
 		$(PYTEST) $(NBVAL_DIR)
 
 notebooks: $(STAMP)
-	rm -rf $(NBVAL_DIR)/nbval-cache $(NBVAL_DIR)/nbval-run $(NBVAL_DIR)/nbval-profile
+	rm -rf $(NBVAL_DIR)/nbval-cache $(NBVAL_DIR)/nbval-run $(NBVAL_DIR)/nbval-profile \
+		$(NBVAL_DIR)/nbval-export
 	$(PAPERMILL) notebooks/data_prep.ipynb $(NBVAL_DIR)/1_data_prep.ipynb $(NBVAL_DATA) \
 		-y '{compare_maxlens: [32, 64, 128]}'
 	$(PAPERMILL) notebooks/train.ipynb $(NBVAL_DIR)/2_train.ipynb $(NBVAL_DATA) \
@@ -118,6 +119,8 @@ notebooks: $(STAMP)
 		-p finetuned nbval-run -p max_new_tokens 16
 	$(PAPERMILL) notebooks/profile.ipynb $(NBVAL_DIR)/4_profile.ipynb $(NBVAL_DATA) \
 		-p batch_size 8 -p profile_dir nbval-profile -p warmup_steps 2 -p profile_steps 3
+	$(PAPERMILL) notebooks/export.ipynb $(NBVAL_DIR)/5_export.ipynb -p run nbval-run \
+		-p out_dir nbval-export -y '{formats: [hf, gemma], dtype: float32}'
 
 lab: $(STAMP)
 	VENV=$(VENV) scripts/lab

@@ -665,6 +665,43 @@ def export_run(run_dir: str | Path, fmt: str, out_dir: str | Path, *,
                      dtype=dtype or "bfloat16", max_shard_bytes=max_shard_bytes)
 
 
+def run_is_lora(run_dir: str | Path) -> bool:
+    """Whether a finished run trained LoRA adapters (and so has a peft export)."""
+    return bool(_read_summary(Path(run_dir))["params"].get("lora_rank"))
+
+
+def hf_round_trip(run_dir: str | Path, hf_dir: str | Path) -> dict[str, Any]:
+    """The HF export read back into gemma's layout against the run's own params: how many
+    tensors, and the largest absolute difference (0 for a float32 export; bf16 rounding
+    otherwise)."""
+    import jax
+
+    from gemmalab import checkpoints
+
+    params = checkpoints.load_params(str(Path(run_dir) / "params"))
+    expected = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, np.float32), params)
+    loaded = load_hf_params(hf_dir, expected)
+    differences = [float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+                   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True)]
+    dtype = json.loads((Path(hf_dir) / "config.json").read_text()).get("torch_dtype")
+    return {"weights": len(differences), "export dtype": dtype,
+            "max abs difference": max(differences),
+            "largest weight": max(float(np.max(np.abs(np.asarray(w)))) for w in
+                                  jax.tree.leaves(params))}
+
+
+def written_files(out_dir: str | Path) -> list[dict[str, Any]]:
+    """One row per export directory under ``out_dir``: its files (top level) and total MB."""
+    rows = []
+    for directory in sorted(p for p in Path(out_dir).iterdir() if p.is_dir()):
+        files = [p for p in directory.rglob("*") if p.is_file()]
+        rows.append({"export": directory.name,
+                     "top level": ", ".join(sorted(p.name for p in directory.iterdir())),
+                     "files": len(files),
+                     "MB": round(sum(p.stat().st_size for p in files) / 1e6, 1)})
+    return rows
+
+
 def _cast(params: dict, dtype: str) -> dict:
     import jax
 

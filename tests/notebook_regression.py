@@ -195,7 +195,7 @@ class TolerantCell(IPyNbCell):
 
 # What the copies write beside themselves (train.ipynb's run, profile.ipynb's trace). Each pass
 # starts without them: a run directory holding checkpoints would be resumed, not trained again.
-RUN_OUTPUTS = ("nbval-run", "nbval-profile")
+RUN_OUTPUTS = ("nbval-run", "nbval-profile", "nbval-export")
 _CLEANED: set[Path] = set()
 
 
