@@ -595,7 +595,8 @@ def compile_plan(config: TrainConfig, accelerator: Accelerator | str, *,
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_LIBRARY_PATH": library,
            "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": "", "TPU_SKIP_MDS_QUERY": "1",
            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    request = json.dumps({"config": _plan_fields(config), "accelerator": accelerator.name})
+    # The whole config: a field the compiled step depends on cannot be left out.
+    request = json.dumps({"config": config.to_dict(), "accelerator": accelerator.name})
     result = subprocess.run([sys.executable, "-m", "gemmalab.plan", "--compile", request],
                             env=env, capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
@@ -605,12 +606,6 @@ def compile_plan(config: TrainConfig, accelerator: Accelerator | str, *,
     return dataclasses.replace(analytic, method="compiled", breakdown=compiled["breakdown"],
                                flops_per_step=compiled["flops"],
                                compile_seconds=compiled["seconds"], analytic=analytic)
-
-
-def _plan_fields(config: TrainConfig) -> dict[str, Any]:
-    names = ("model", "tokenizer", "tokenizer_vocab_size", "batch_size", "maxlen", "mesh",
-             "num_slices", "grad_accum_steps", "remat", "param_dtype", "compute_dtype")
-    return {name: getattr(config, name) for name in names}
 
 
 def _compile_here(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any]:
