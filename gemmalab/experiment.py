@@ -165,13 +165,22 @@ class Experiment:
                           lora.scale(self.config.lora_rank, self.config.lora_alpha),
                           dtype=jnp.dtype(self.config.param_dtype))
 
-    def sample(self, prompts: str | list[str], **kwargs: Any
+    def sample(self, prompts: str | list[str], *, chat: bool | None = None, **kwargs: Any
                ) -> sampling.Continuation | list[sampling.Continuation]:
-        """Continue one prompt or several with the current weights (greedy by default)."""
+        """Continue one prompt or several with the current weights (greedy by default).
+
+        ``chat`` (default: whether the run trains on instruction/chat data) sends each prompt
+        as a user turn in Gemma's chat template; the reply stops at ``<end_of_turn>``.
+        """
+        from gemmalab import chat as chat_template
+
         single = isinstance(prompts, str)
+        prompts = [prompts] if single else list(prompts)
+        if self.data_stats.get("data_format") == data.CHAT if chat is None else chat:
+            prompts = [chat_template.user_prompt(p) for p in prompts]
         continuations = sampling.continue_prompts(
-            self.base_model, self.inference_params(), self.tokenizer,
-            [prompts] if single else prompts, compute_dtype=self.compute_dtype, **kwargs)
+            self.base_model, self.inference_params(), self.tokenizer, prompts,
+            compute_dtype=self.compute_dtype, **kwargs)
         return continuations[0] if single else continuations
 
     @functools.cached_property

@@ -305,3 +305,7 @@ def test_training_on_the_embedded_instruction_set(tmp_path, cache_dir):
     assert summary["useful_token_share"] < 1
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
     assert summary["data"] == stats
+    # Sampled as a user turn in the chat template (what the run trained on), not raw text.
+    reply = experiment.sample("Write a story about a dog.", max_new_tokens=4)
+    assert reply.prompt.startswith("<start_of_turn>user\nWrite a story about a dog.<end_of_turn>")
+    assert experiment.sample("Once", chat=False, max_new_tokens=4).prompt == "Once"
