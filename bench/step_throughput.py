@@ -28,11 +28,11 @@ def measure(model, params, device_mesh, batch, compute_dtype, steps: int) -> flo
                                            device_mesh)
     step = training.make_train_step(model, optimizer, schedule, compute_dtype, device_mesh,
                                     shardings)
-    state, metrics = step(state, batch)  # compile
+    state, metrics = step(state, batch, None)  # compile (no frozen base: full fine-tuning)
     jax.block_until_ready(metrics)
     started = time.perf_counter()
     for _ in range(steps):
-        state, metrics = step(state, batch)
+        state, metrics = step(state, batch, None)
     jax.block_until_ready(metrics)
     return (time.perf_counter() - started) / steps
 

@@ -83,8 +83,9 @@ class Experiment:
         devices = plan.attached_accelerator(list(device_mesh.devices.flat))
         memory_plan = (plan.require_fits if config.check_memory else plan.estimate)(config, devices)
         previous = _previous_run(config)
-        # One checkpoint (weights and AdamW's two moments) and the final params.
-        state_bytes = memory_plan.num_params * jnp.dtype(config.param_dtype).itemsize * 4
+        # One checkpoint (trained weights and AdamW's two moments) and the final params.
+        state_bytes = ((3 * memory_plan.trainable_params + memory_plan.num_params)
+                       * jnp.dtype(config.param_dtype).itemsize)
         if jax.process_index() == 0:
             checkpoints.require_writable_room(config.output_dir, state_bytes)
         prepared = prepare_data(config)
@@ -185,7 +186,8 @@ class Experiment:
 
     @functools.cached_property
     def train_step(self) -> Any:
-        """The jit-compiled, state-donating step: ``state, metrics = train_step(state, batch)``."""
+        """The jit-compiled, state-donating step:
+        ``state, metrics = train_step(state, batch, frozen_params)``."""
         return training.make_train_step(self.model, self.optimizer, self.schedule,
                                         self.compute_dtype, self.mesh, self.state_shardings,
                                         grad_accum_steps=self.config.grad_accum_steps,

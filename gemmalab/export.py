@@ -691,13 +691,13 @@ def hf_round_trip(run_dir: str | Path, hf_dir: str | Path) -> dict[str, Any]:
 
 
 def written_files(out_dir: str | Path) -> list[dict[str, Any]]:
-    """One row per export directory under ``out_dir``: its files (top level) and total MB."""
+    """One row per export directory under ``out_dir``: its top-level entries and total MB (not a
+    file count: Orbax's varies from one save of the same tree to the next)."""
     rows = []
     for directory in sorted(p for p in Path(out_dir).iterdir() if p.is_dir()):
         files = [p for p in directory.rglob("*") if p.is_file()]
         rows.append({"export": directory.name,
                      "top level": ", ".join(sorted(p.name for p in directory.iterdir())),
-                     "files": len(files),
                      "MB": round(sum(p.stat().st_size for p in files) / 1e6, 1)})
     return rows
 

@@ -172,6 +172,7 @@ class MemoryPlan:
     compile_seconds: float | None = None
     analytic: MemoryPlan | None = None  # the estimate, beside a compiled plan
     lora_rank: int = 0  # > 0: LoRA adapters train, the base is frozen in the compute dtype
+    trainable_params: int = 0  # what has gradients and optimizer state (LoRA: the adapters)
 
     @property
     def per_device_bytes(self) -> int:
@@ -202,6 +203,7 @@ class MemoryPlan:
             "method": self.method,
             "model": self.model,
             "num_params": self.num_params,
+            "trainable_params": self.trainable_params,
             "accelerator": self.accelerator.name,
             "platform": self.accelerator.platform,
             "chips": self.accelerator.chips,
@@ -329,7 +331,8 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
         param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
         breakdown=breakdown,
         flops_per_step=model_flops(model_config, num_params, config, adapters=adapters),
-        num_params=num_params + adapters, lora_rank=config.lora_rank)
+        num_params=num_params + adapters, lora_rank=config.lora_rank,
+        trainable_params=adapters if config.lora_rank else num_params)
 
 
 def _ways(axis: Any, sizes: dict[str, int]) -> int:

@@ -133,9 +133,10 @@ def make_train_step(model: Any, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, compute_dtype: Any, mesh: Any, state_shardings: Any,
                     *, grad_accum_steps: int = 1, skip_nonfinite: bool = False,
                     frozen_shardings: Any = None) -> Callable[..., tuple[TrainState, dict]]:
-    """One jit-compiled step ``(state, batch, frozen=None) -> (state, metrics)``; the incoming
-    state is donated (updated in place) and keeps ``state_shardings`` (from ``state_sharding``).
-    ``frozen`` (LoRA's base weights, placed by ``frozen_shardings``) is read, never donated.
+    """One jit-compiled step ``(state, batch, frozen) -> (state, metrics)``; the incoming state
+    is donated (updated in place) and keeps ``state_shardings`` (from ``state_sharding``).
+    ``frozen``: LoRA's base weights (placed by ``frozen_shardings``), read, never donated; None
+    for full fine-tuning. (Positional: jit takes no keyword arguments beside its shardings.)
 
     With ``grad_accum_steps`` > 1 the batch is processed in that many micro-batches, one after
     the other, and their gradients summed: activations of one micro-batch at a time, the same
@@ -145,7 +146,7 @@ def make_train_step(model: Any, optimizer: optax.GradientTransformation,
     and optimizer state as they were (its metrics say ``skipped``: 1).
     """
 
-    def step(state: TrainState, batch: dict[str, jax.Array], frozen: Any = None
+    def step(state: TrainState, batch: dict[str, jax.Array], frozen: Any
              ) -> tuple[TrainState, dict]:
         (total, count), grads = summed_gradients(model, state.params, batch, compute_dtype,
                                                  mesh, grad_accum_steps, frozen)
@@ -194,8 +195,9 @@ def summed_gradients(model: Any, params: Any, batch: dict[str, jax.Array], compu
 
 def make_eval_step(model: Any, compute_dtype: Any, mesh: Any, params_shardings: Any,
                    frozen_shardings: Any = None) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """``(params, batch, frozen=None) -> (sum of NLL, loss-bearing targets)``, jit-compiled."""
-    def step(params: Any, batch: dict[str, jax.Array], frozen: Any = None
+    """``(params, batch, frozen) -> (sum of NLL, loss-bearing targets)``, jit-compiled
+    (``frozen``: LoRA's base weights, or None)."""
+    def step(params: Any, batch: dict[str, jax.Array], frozen: Any
              ) -> tuple[jax.Array, jax.Array]:
         return forward_loss(model, params, batch, compute_dtype, frozen)
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import PROMPT
-from test_resume import Crash, _crash_at, _losses
+from test_resume import _losses, crashed_run
 
 from gemmalab import checkpoints, lora, models, sampling
 from gemmalab.config import TrainConfig
@@ -158,11 +158,7 @@ def test_a_crashed_lora_run_resumes_exactly(lora_run, cache_dir, stories_file):
     losses and adapters as the uninterrupted run, bit for bit."""
     tmp_path, whole, _, _ = lora_run
     config = _config(tmp_path, cache_dir, stories_file, "crashed")
-    first = Experiment.prepare(config)
-    _crash_at(first, 7)
-    with pytest.raises(Crash):
-        first.train(progress=False)
-    first.checkpoints.wait()
+    crashed_run(config, 7)
     second = Experiment.prepare(config)
     assert second.start_step == 4
     second.train(progress=False)

@@ -60,6 +60,16 @@ def _crash_at(experiment, step):
     experiment.__dict__["train_step"] = step_or_crash
 
 
+def crashed_run(config, step):
+    """A run of ``config`` killed before ``step``, its pending checkpoint saves finished."""
+    first = Experiment.prepare(config)
+    _crash_at(first, step)
+    with pytest.raises(Crash):
+        first.train(progress=False)
+    first.checkpoints.wait()
+    return first
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, cache_dir, stories_file):
     tmp_path = tmp_path_factory.mktemp("resume")
@@ -73,11 +83,7 @@ def test_a_crashed_run_resumes_exactly(uninterrupted, cache_dir, stories_file):
     and the same final params, bit for bit (same devices, same compiled step, same batches)."""
     tmp_path, whole = uninterrupted
     config = _config(tmp_path, cache_dir, stories_file, "crashed")
-    first = Experiment.prepare(config)
-    _crash_at(first, 7)
-    with pytest.raises(Crash):
-        first.train(progress=False)
-    first.checkpoints.wait()
+    first = crashed_run(config, 7)
     assert first.checkpoints.steps() == [4]
 
     second = Experiment.prepare(config)

@@ -179,7 +179,7 @@ def test_gradient_accumulation_gives_the_same_updates_with_less_activation_memor
     def temp_bytes(accum):
         step = training.make_train_step(model, optimizer, schedule, jnp.float32,
                                         device_mesh, shardings, grad_accum_steps=accum)
-        return step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+        return step.lower(state, batch, None).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(4) < 0.6 * temp_bytes(1)
 
@@ -204,7 +204,7 @@ def test_remat_gives_the_same_updates_with_less_activation_memory(one_device):
         state, shardings = training.init_state(params, optimizer, device_mesh)
         step = training.make_train_step(model, optimizer, schedule, jnp.float32, device_mesh,
                                         shardings)
-        return step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+        return step.lower(state, batch, None).compile().memory_analysis().temp_size_in_bytes
 
     none, dots, full = temp_bytes("none"), temp_bytes("dots"), temp_bytes("full")
     assert full < dots < 0.5 * none, (none, dots, full)

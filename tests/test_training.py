@@ -84,7 +84,7 @@ def test_params_are_fp32_masters_and_a_step_learns():
     batch = mesh.global_batch(_batch(), device_mesh)
     losses = []
     for _ in range(8):
-        state, metrics = step(state, batch)
+        state, metrics = step(state, batch, None)
         losses.append(float(metrics["loss"]))
     assert int(state.step) == 8
     assert float(metrics["useful_tokens"]) == 8 * 16 - 4 * 3
