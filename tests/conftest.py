@@ -1,12 +1,26 @@
 """Shared fixtures, and the hooks of the notebook regression tests (``tests/notebooks/``).
 
 Eight virtual CPU devices make every test exercise the data-parallel mesh.
+
+One JAX compilation cache per test session, inherited by the notebooks' kernels and worker
+processes: many tests compile the same step (a run, its crashed twin, its resumed twin, the
+notebook copies and their deliberately broken variants); a cache hit skips XLA's compile. A
+session's own directory, so another session (e.g. other CPU flags) never reads its executables.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _COMPILATION_CACHE = tempfile.mkdtemp(prefix="gemmalab-test-jax-cache-")
+    atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILATION_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
