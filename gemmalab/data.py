@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -559,13 +560,39 @@ def data_stats(corpus_: Corpus, cache: TokenCache, windows: WindowSource) -> dic
     return stats
 
 
+# Windows whose lengths estimate how full packed rows get (best-fit decreasing, ~10 ms per 1,000).
+FILL_SAMPLE = 8192
+
+
+def packed_fill(windows: WindowSource, *, seed: int = 0) -> float:
+    """The share of row positions that packed rows fill with real tokens, estimated by packing
+    a sample of the windows' lengths best-fit decreasing (what grain's best-fit packer, with
+    its 1,024 open rows, comes close to): ~0.97 for stories at maxlen 256, but ~0.65 for
+    155-token conversations, of which two rarely fit one row."""
+    lengths = (windows.end - windows.start - 1).astype(np.int64)
+    if len(lengths) == 0:
+        return 1.0
+    if len(lengths) > FILL_SAMPLE:
+        lengths = np.random.default_rng(seed).choice(lengths, FILL_SAMPLE, replace=False)
+    rows_by_room = np.zeros(windows.maxlen + 1, np.int64)  # open rows, by the room left in them
+    for length in np.sort(lengths)[::-1]:
+        fitting = np.flatnonzero(rows_by_room[length:])
+        room = length + fitting[0] if fitting.size else windows.maxlen  # the fullest that fits
+        if fitting.size:
+            rows_by_room[room] -= 1
+        rows_by_room[room - length] += 1
+    return float(lengths.sum() / (rows_by_room.sum() * windows.maxlen))
+
+
 def steps_per_epoch(num_targets_global: int, num_windows_global: int, *, batch_size: int,
-                    maxlen: int, packing: bool) -> int:
+                    maxlen: int, packing: bool, fill: float = 1.0) -> int:
     """Steps that consume one epoch: in target tokens when packing, in rows when padding.
 
-    With packing the count assumes full rows; packing leaves a little padding, so the last few
-    percent of an epoch's stories start the next epoch's stream instead (nothing is dropped).
+    With packing, rows hold ``fill`` real tokens per position (``packed_fill``): counting full
+    rows instead would end a one-epoch run before a third of a chat dataset was read. The
+    estimate errs by a percent or two either way: that much of an epoch's windows start the
+    next epoch's stream instead, or its first ones are read a second time.
     """
     if packing:
-        return max(1, -(-num_targets_global // (batch_size * maxlen)))
+        return max(1, math.ceil(num_targets_global / (batch_size * maxlen * fill)))
     return max(1, num_windows_global // batch_size)

@@ -93,14 +93,17 @@ class Experiment:
                                           prepared.tokenizer)
         model_config = prepared.model_config
         windows = data.WindowSource(cache.train, config.maxlen)
-        local = np.asarray([windows.num_targets, len(windows)], np.int64)
+        fill = data.packed_fill(windows, seed=config.seed) if config.packing else 1.0
+        # Every process must count the same steps: totals and the mean fill of all shards.
+        local = np.asarray([windows.num_targets, len(windows), round(fill * 1e6)], np.int64)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 2).sum(0)
+            local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 3)
+            local = np.asarray([*local[:, :2].sum(0), local[:, 2].mean()])
         per_epoch = data.steps_per_epoch(int(local[0]), int(local[1]),
                                          batch_size=config.batch_size, maxlen=config.maxlen,
-                                         packing=config.packing)
+                                         packing=config.packing, fill=float(local[2]) / 1e6)
         total_steps = per_epoch * config.num_epochs
         if config.max_steps is not None:
             total_steps = min(total_steps, config.max_steps)
@@ -112,7 +115,7 @@ class Experiment:
         evals = data.eval_batches(cache.eval, maxlen=config.maxlen, batch_size=config.batch_size,
                                   packing=config.packing, process_index=jax.process_index(),
                                   process_count=jax.process_count())
-        stats = data.data_stats(corpus, cache, windows)
+        stats = {**data.data_stats(corpus, cache, windows), "packed_fill": round(fill, 4)}
 
         param_dtype = jnp.dtype(config.param_dtype)
         base_model = models.build_model(model_config, param_dtype=param_dtype, remat=config.remat)
