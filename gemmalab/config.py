@@ -58,7 +58,9 @@ class TrainConfig:
     grad_accum_steps: int = 1  # Micro-batches per step: activation memory / this, same update.
     remat: str = "none"  # "none" | "dots" | "full": recompute blocks in backward, less memory.
     num_epochs: int = 1
-    max_steps: int | None = None  # Caps the step count derived from num_epochs.
+    # The number of steps, repeating the data as needed; replaces num_epochs (as in the Hugging
+    # Face Trainer). None: num_epochs epochs.
+    max_steps: int | None = None
     learning_rate: float | None = None  # None = the preset's default.
     warmup_ratio: float = 0.05
     min_lr_ratio: float = 0.1

@@ -104,9 +104,8 @@ class Experiment:
         per_epoch = data.steps_per_epoch(int(local[0]), int(local[1]),
                                          batch_size=config.batch_size, maxlen=config.maxlen,
                                          packing=config.packing, fill=float(local[2]) / 1e6)
-        total_steps = per_epoch * config.num_epochs
-        if config.max_steps is not None:
-            total_steps = min(total_steps, config.max_steps)
+        total_steps = (config.max_steps if config.max_steps is not None
+                       else per_epoch * config.num_epochs)
 
         rows_per_process = config.batch_size // jax.process_count()
         iterator = data.train_batches(cache.train, maxlen=config.maxlen,

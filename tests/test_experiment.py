@@ -187,3 +187,15 @@ def test_tokenizer_larger_than_the_embedding(tmp_path, cache_dir, stories_file, 
 def test_datacount_zero_is_rejected_by_the_config(tmp_path, cache_dir, stories_file):
     with pytest.raises(ConfigError, match="^datacount: 0 stories requested"):
         small_config(tmp_path, cache_dir, stories_file, datacount=0)
+
+
+def test_max_steps_is_the_number_of_steps_even_past_an_epoch(tmp_path, cache_dir, stories_file):
+    """As in the Hugging Face Trainer: max_steps replaces num_epochs, the data repeating."""
+    config = small_config(tmp_path, cache_dir, stories_file, datacount=60, max_steps=40)
+    experiment = Experiment.prepare(config)
+    assert experiment.steps_per_epoch < 40 == experiment.total_steps
+    for _ in range(experiment.steps_per_epoch + 2):  # the stream goes on into the next epoch
+        assert experiment.next_batch()["tokens"].shape == (8, 64)
+    without = Experiment.prepare(dataclasses.replace(config, max_steps=None, num_epochs=2,
+                                                     output_dir=str(tmp_path / "epochs")))
+    assert without.total_steps == 2 * without.steps_per_epoch
