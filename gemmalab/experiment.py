@@ -159,14 +159,14 @@ class Experiment:
     def trainable_params(self) -> int:
         return models.parameter_count(self.state.params)
 
-    def inference_params(self) -> Any:
+    def inference_params(self, dtype: Any = None) -> Any:
         """The current weights as an ordinary gemma params tree for ``base_model`` (with LoRA:
-        the adapters merged into the base, in the master dtype)."""
+        the adapters merged into the base, in ``dtype``, default the master dtype)."""
         if self.frozen_params is None:
             return self.state.params
         return lora.merge(self.frozen_params, self.state.params,
                           lora.scale(self.config.lora_rank, self.config.lora_alpha),
-                          dtype=jnp.dtype(self.config.param_dtype))
+                          dtype=dtype or jnp.dtype(self.config.param_dtype))
 
     def sample(self, prompts: str | list[str], *, chat: bool | None = None, **kwargs: Any
                ) -> sampling.Continuation | list[sampling.Continuation]:
@@ -181,8 +181,9 @@ class Experiment:
         prompts = [prompts] if single else list(prompts)
         if self.data_stats.get("data_format") == data.CHAT if chat is None else chat:
             prompts = [chat_template.user_prompt(p) for p in prompts]
+        # LoRA: merged straight into the compute dtype sampling runs in (no master-size copy).
         continuations = sampling.continue_prompts(
-            self.base_model, self.inference_params(), self.tokenizer, prompts,
+            self.base_model, self.inference_params(self.compute_dtype), self.tokenizer, prompts,
             compute_dtype=self.compute_dtype, **kwargs)
         return continuations[0] if single else continuations
 
@@ -436,11 +437,9 @@ def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: 
     into its shards (and ``iterator`` moved to its data position), else the initial weights
     (with LoRA: fresh adapters; the base weights are not part of the state)."""
     param_dtype = jnp.dtype(config.param_dtype)
-    if config.lora_rank:
-        expected = lora.abstract_adapters(base_model.config, rank=config.lora_rank,
-                                          modules=config.lora_modules, dtype=config.param_dtype)
-    else:  # the same abstract tree the memory plan traced (cached per model config)
-        expected = plan.abstract_params(base_model.config, config.param_dtype)
+    # The same abstract trees the memory plan traced (cached per model config).
+    expected = (plan.adapter_params(base_model.config, config) if config.lora_rank
+                else plan.abstract_params(base_model.config, config.param_dtype))
     shardings = training.state_sharding(expected, optimizer, device_mesh)
     abstract = training.abstract_state(expected, optimizer, shardings)
     restored = saved.restore_latest(abstract, iterator) if resume else None

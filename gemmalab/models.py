@@ -44,6 +44,7 @@ PRESETS = {
 }
 assert tuple(PRESETS) == PRESET_NAMES
 
+
 def default_learning_rate(preset_name: str, *, lora: bool) -> float:
     """The peak learning rate a run uses when ``learning_rate`` is None."""
     preset = PRESETS[preset_name]
