@@ -35,8 +35,10 @@ $(UV):
 	python3 -m venv $(TOOLS)
 	$(TOOLS)/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
 
+# --compile-bytecode: .pyc files written once here, so no process (a notebook kernel, a test's
+# worker) compiles TensorFlow's and jax's sources again, even under PYTHONDONTWRITEBYTECODE.
 $(STAMP): $(UV) pyproject.toml uv.lock
-	$(UV) sync --frozen --python "$$(scripts/find-python312)"
+	$(UV) sync --frozen --compile-bytecode --python "$$(scripts/find-python312)"
 	touch $(STAMP)
 
 env: $(STAMP)

@@ -22,6 +22,10 @@ MIN_MAXLEN = 8
 EMBEDDED_INSTRUCTIONS = "embedded:instructions"
 # Which projections LoRA adapts (gemmalab.lora): attention's q/kv/output, the MLP's, or both.
 LORA_MODULES = ("attention", "mlp", "all")
+# How attention is computed (gemmalab.attention): gemma's own, jax.nn.dot_product_attention
+# (cuDNN on GPUs), Pallas' TPU splash kernel, or "auto": splash on TPUs, cuDNN on GPUs, gemma's
+# on CPUs. The weights are the same whichever runs.
+ATTENTION_IMPLS = ("auto", "gemma", "dot_product", "splash")
 
 
 def default_cache_dir() -> str:
@@ -57,6 +61,8 @@ class TrainConfig:
     batch_size: int = 64  # Global batch (rows) across all processes.
     grad_accum_steps: int = 1  # Micro-batches per step: activation memory / this, same update.
     remat: str = "none"  # "none" | "dots" | "full": recompute blocks in backward, less memory.
+    # ATTENTION_IMPLS: the fused kernels never build the [B, L, L] mask or scores (long maxlen).
+    attention: str = "auto"
     num_epochs: int = 1
     # The number of steps, repeating the data as needed; replaces num_epochs (as in the Hugging
     # Face Trainer). None: num_epochs epochs.
@@ -114,6 +120,9 @@ class TrainConfig:
                 "use a positive batch")
         require(self.remat in REMAT_POLICIES, "remat", f"unknown policy {self.remat!r}",
                 f"use one of {REMAT_POLICIES} ('full' saves the most memory)")
+        require(self.attention in ATTENTION_IMPLS, "attention",
+                f"unknown implementation {self.attention!r}",
+                f"use one of {ATTENTION_IMPLS} ('auto' picks the platform's fastest)")
         require(self.lora_rank >= 0, "lora_rank", f"{self.lora_rank} < 0",
                 "use 0 for full fine-tuning, or a rank such as 8 or 16")
         require(self.lora_alpha is None or self.lora_alpha > 0, "lora_alpha",

@@ -2,9 +2,10 @@
 
 TinyStories format (UTF-8, stories separated by ``<|endoftext|>``) is streamed, split into a
 deterministic held-out eval set and per-process train shards, tokenized once as BOS + ids + EOS
-in worker processes and cached on disk. Rows are built by a grain pipeline: packed (several
-stories per row, segment ids and per-story positions) or one story per row, padded. Every row
-carries a loss mask: padding is never a target.
+in worker processes and cached on disk. Rows are planned per epoch and gathered from the cache
+in bulk (gemmalab.packing, wrapped for grain's prefetch and checkpoints by
+gemmalab.grain_batches): packed (several stories per row, segment ids and per-story positions)
+or one story per row, padded. Every row carries a loss mask: padding is never a target.
 
 Instruction/chat data (JSONL, gemmalab.records) takes the same path: each conversation is one
 document in Gemma's chat template (gemmalab.chat), cached with a per-token loss mask beside its
@@ -26,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import mmap
 import multiprocessing
 import os
 import shutil
@@ -41,6 +43,7 @@ from gemmalab.chat import Conversation
 from gemmalab.config import EMBEDDED_INSTRUCTIONS
 from gemmalab.corpus import SEPARATOR
 from gemmalab.errors import ConfigError
+from gemmalab.packing import assemble_rows, plan_rows
 from gemmalab.tokenizer import (
     TokenizerInfo,
     encode_conversations,
@@ -53,9 +56,6 @@ SEPARATOR_SCAN_BYTES = 64 << 20
 CACHE_FORMAT_VERSION = 2  # 2: chat data, with a loss mask beside its tokens
 STORIES_PER_TASK = 256
 MAX_TOKENIZE_WORKERS = 32  # TPU hosts have 100+ vCPUs; beyond this, reading the file is the limit
-# Best-fit over this many open rows packs ~96% real tokens at maxlen 256 with ~130-token stories
-# (64 bins: 89%); cost is ~0.5 ms per story, in grain's prefetch thread.
-PACKING_BINS = 1024
 # Every row: int32 [rows, maxlen] of each. ``loss_mask`` marks the targets that bear loss (never
 # padding; for chat data only the model's turns unless train_on_prompt).
 BATCH_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -268,6 +268,25 @@ class TokenizedSplit:
     def doc(self, i: int) -> np.ndarray:
         return np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]])
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled for grain's worker processes: they reopen the cache files, not receive copies.
+        return (_reopened_split, (_file_or_array(self.tokens), self.offsets,
+                                  _file_or_array(self.response_mask), self.train_on_prompt))
+
+
+def _file_or_array(array: np.ndarray | None) -> Any:
+    if isinstance(array, np.memmap) and isinstance(array.base, mmap.mmap):  # a whole file
+        return (array.filename, array.dtype.str)
+    return array
+
+
+def _reopened_split(tokens: Any, offsets: np.ndarray, mask: Any, train_on_prompt: bool
+                    ) -> TokenizedSplit:
+    def opened(array: Any) -> Any:
+        return np.memmap(array[0], dtype=array[1], mode="r") if isinstance(array, tuple) else array
+
+    return TokenizedSplit(opened(tokens), offsets, opened(mask), train_on_prompt)
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenCache:
@@ -442,6 +461,9 @@ class WindowSource:
         self.end = np.minimum(self.start + maxlen + 1, split.offsets[self.doc + 1])
         self.num_split_docs = int(np.sum(windows > 1))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (WindowSource, (self.split, self.maxlen))  # rebuilt (O(docs)), not copied
+
     def __len__(self) -> int:
         return len(self.doc)
 
@@ -454,8 +476,13 @@ class WindowSource:
         return {"inputs": seq[:-1], "targets": seq[1:], "loss_mask": loss_mask}
 
     @property
+    def lengths(self) -> np.ndarray:
+        """Next-token pairs per window (1..maxlen)."""
+        return self.end - self.start - 1
+
+    @property
     def num_targets(self) -> int:
-        return int(np.sum(self.end - self.start - 1))
+        return int(np.sum(self.lengths))
 
     @property
     def num_loss_targets(self) -> int:
@@ -464,55 +491,22 @@ class WindowSource:
         return self.num_targets if mask is None else int(np.sum(mask, dtype=np.int64))
 
 
-def _pad_window(window: dict[str, np.ndarray], maxlen: int) -> Batch:
-    n = len(window["inputs"])
-    row = {name: np.zeros(maxlen, np.int32) for name in ("tokens", "targets", "segment_ids")}
-    row["tokens"][:n] = window["inputs"]
-    row["targets"][:n] = window["targets"]
-    row["segment_ids"][:n] = 1
-    row["positions"] = np.arange(maxlen, dtype=np.int32)
-    row["loss_mask"] = np.zeros(maxlen, np.int32)
-    row["loss_mask"][:n] = window["loss_mask"]
-    return row
-
-
-def _from_packed(packed: dict[str, np.ndarray]) -> Batch:
-    real = packed["inputs_segment_ids"] > 0
-    return {
-        "tokens": packed["inputs"].astype(np.int32),
-        "targets": packed["targets"].astype(np.int32),
-        "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
-        "positions": packed["inputs_positions"].astype(np.int32),
-        "loss_mask": (packed["loss_mask"] * real).astype(np.int32),
-    }
-
-
-def rows_dataset(windows: Any, *, maxlen: int, packing: bool, num_bins: int, seed: int,
-          shuffle_bins: bool) -> Any:
-    """A grain IterDataset of rows from a grain dataset of windows."""
-    import grain
-
-    if packing:
-        packed = grain.experimental.BestFitPackIterDataset(
-            windows, length_struct={"inputs": maxlen, "targets": maxlen, "loss_mask": maxlen},
-            num_packing_bins=num_bins, seed=seed, shuffle_bins=shuffle_bins)
-        return packed.map(_from_packed)
-    return windows.map(lambda w: _pad_window(w, maxlen))
-
-
 def train_batches(split: TokenizedSplit, *, maxlen: int, rows_per_process: int, packing: bool,
                   seed: int, prefetch: int = 4) -> Any:
-    """An endless, per-epoch reshuffled, prefetching iterator of this process's batches.
+    """An endless, per-epoch reshuffled (and repacked), prefetching iterator of this process's
+    batches. Rows flow across epoch boundaries: none is dropped.
 
-    Returns a grain ``DatasetIterator``: its ``get_state``/``set_state`` make it checkpointable.
+    Returns a grain ``DatasetIterator``: its ``get_state``/``set_state`` (the epoch and row of
+    the next batch) make it checkpointable; resuming replans that epoch and gives the same
+    batches bit for bit.
     """
     import grain
 
-    windows = grain.MapDataset.source(WindowSource(split, maxlen)).shuffle(seed=seed).repeat(None)
-    rows = rows_dataset(windows.to_iter_dataset(), maxlen=maxlen, packing=packing,
-                 num_bins=max(rows_per_process, PACKING_BINS), seed=seed, shuffle_bins=True)
-    batched = rows.batch(rows_per_process, drop_remainder=True)
-    prefetched = grain.experimental.ThreadPrefetchIterDataset(batched,
+    from gemmalab.grain_batches import PackedBatchDataset
+
+    batches = PackedBatchDataset(WindowSource(split, maxlen), rows_per_batch=rows_per_process,
+                                 packing=packing, seed=seed)
+    prefetched = grain.experimental.ThreadPrefetchIterDataset(batches,
                                                               prefetch_buffer_size=prefetch)
     return iter(prefetched)
 
@@ -521,18 +515,16 @@ def eval_batches(split: TokenizedSplit, *, maxlen: int, batch_size: int, packing
                  process_index: int = 0, process_count: int = 1) -> list[Batch]:
     """The whole eval split as fixed batches (same on every run); this process's rows of each.
 
-    Every process builds the same rows, padded with empty rows (no loss) to whole global batches,
-    so all processes run the same number of eval steps.
+    Rows are packed by the training packer (deterministic: no shuffle). Every process builds
+    the same rows, padded with empty rows (no loss) to whole global batches, so all processes
+    run the same number of eval steps.
     """
-    import grain
-
-    windows = grain.MapDataset.source(WindowSource(split, maxlen)).to_iter_dataset()
-    rows = list(rows_dataset(windows, maxlen=maxlen, packing=packing, num_bins=64, seed=0,
-                      shuffle_bins=False))
-    if not rows:
+    windows = WindowSource(split, maxlen)
+    if len(windows) == 0:
         return []
-    stacked = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-    total = -(-len(rows) // batch_size) * batch_size
+    plan = plan_rows(windows.lengths, maxlen, packing=packing)
+    stacked = assemble_rows(windows, *plan.rows(0, plan.num_rows))
+    total = -(-plan.num_rows // batch_size) * batch_size
     padded = {k: np.pad(v, ((0, total - len(v)), (0, 0))) for k, v in stacked.items()}
     per_process = batch_size // process_count
     batches = []
@@ -560,28 +552,24 @@ def data_stats(corpus_: Corpus, cache: TokenCache, windows: WindowSource) -> dic
     return stats
 
 
-# Windows whose lengths estimate how full packed rows get (best-fit decreasing, ~10 ms per 1,000).
-FILL_SAMPLE = 8192
+# Windows whose lengths estimate how full packed rows get: the training packer plans a million
+# in ~0.1 s, so up to this many per process the estimate is exact.
+FILL_SAMPLE = 1 << 20
 
 
 def packed_fill(windows: WindowSource, *, seed: int = 0) -> float:
-    """The share of row positions that packed rows fill with real tokens, estimated by packing
-    a sample of the windows' lengths best-fit decreasing (what grain's best-fit packer, with
-    its 1,024 open rows, comes close to): ~0.97 for stories at maxlen 256, but ~0.65 for
-    155-token conversations, of which two rarely fit one row."""
-    lengths = (windows.end - windows.start - 1).astype(np.int64)
+    """The share of row positions that packed rows fill with real tokens: the training packer's
+    plan (``plan_rows``) of the windows' lengths, or of a sample of ``FILL_SAMPLE`` of them.
+    How many rows a plan has depends only on the lengths, so every epoch fills the same:
+    ~0.97 for stories at maxlen 256, but ~0.65 for 155-token conversations, of which two
+    rarely fit one row."""
+    lengths = windows.lengths.astype(np.int64)
     if len(lengths) == 0:
         return 1.0
     if len(lengths) > FILL_SAMPLE:
         lengths = np.random.default_rng(seed).choice(lengths, FILL_SAMPLE, replace=False)
-    rows_by_room = np.zeros(windows.maxlen + 1, np.int64)  # open rows, by the room left in them
-    for length in np.sort(lengths)[::-1]:
-        fitting = np.flatnonzero(rows_by_room[length:])
-        room = length + fitting[0] if fitting.size else windows.maxlen  # the fullest that fits
-        if fitting.size:
-            rows_by_room[room] -= 1
-        rows_by_room[room - length] += 1
-    return float(lengths.sum() / (rows_by_room.sum() * windows.maxlen))
+    plan = plan_rows(lengths, windows.maxlen)
+    return float(lengths.sum() / (plan.num_rows * windows.maxlen))
 
 
 def steps_per_epoch(num_targets_global: int, num_windows_global: int, *, batch_size: int,
@@ -589,9 +577,11 @@ def steps_per_epoch(num_targets_global: int, num_windows_global: int, *, batch_s
     """Steps that consume one epoch: in target tokens when packing, in rows when padding.
 
     With packing, rows hold ``fill`` real tokens per position (``packed_fill``): counting full
-    rows instead would end a one-epoch run before a third of a chat dataset was read. The
-    estimate errs by a percent or two either way: that much of an epoch's windows start the
-    next epoch's stream instead, or its first ones are read a second time.
+    rows instead would end a one-epoch run before a third of a chat dataset was read. With
+    the exact fill of one process's windows this is the plan's rows over the batch, rounded up
+    (the last batch is completed with the next epoch's first rows); a sampled fill, or the mean
+    of several processes' shards, errs by a fraction of a percent either way: that much of an
+    epoch's rows start the next epoch's stream instead, or its first ones are read twice.
     """
     if packing:
         return max(1, math.ceil(num_targets_global / (batch_size * maxlen * fill)))

@@ -19,6 +19,7 @@ import numpy as np
 
 from gemmalab import (
     checkpoints,
+    compile_cache,
     data,
     lora,
     mesh,
@@ -69,11 +70,19 @@ class Experiment:
     base_model: Any = None
     frozen_params: Any = None
     frozen_shardings: Any = None
+    # Seconds spent before the first step, by phase (summary.json's "startup").
+    startup: dict[str, float] = dataclasses.field(default_factory=dict)
+    compiled_flops_per_step: float | None = None  # XLA's count for the compiled step
 
     # -----------------------------------------------------------------------------------------
     @classmethod
     def prepare(cls, config: TrainConfig) -> Experiment:
         """Validate everything, build data, tokenizer, model and state; compile nothing yet."""
+        started = time.perf_counter()
+        startup = {"before_prepare_s": _seconds_since_process_start(),
+                   "prepare_started_at": time.time()}
+        # First, so every compile of the run (init, steps, sampler) is read from or written to it.
+        compile_cache.enable(config.resolved_cache_dir)
         device_mesh = mesh.make_mesh(config.mesh, num_slices=config.num_slices)
         mesh.check_batch_size(config.batch_size, device_mesh, config.grad_accum_steps)
         if storage.is_gcs(config.output_dir):
@@ -88,6 +97,7 @@ class Experiment:
                        * jnp.dtype(config.param_dtype).itemsize)
         if jax.process_index() == 0:
             checkpoints.require_writable_room(config.output_dir, state_bytes)
+        startup["checks_s"] = time.perf_counter() - started
         prepared = prepare_data(config)
         cache, corpus, info, tokenizer = (prepared.cache, prepared.corpus, prepared.tokenizer_info,
                                           prepared.tokenizer)
@@ -116,8 +126,10 @@ class Experiment:
                                   process_count=jax.process_count())
         stats = {**data.data_stats(corpus, cache, windows), "packed_fill": round(fill, 4)}
 
+        startup["data_s"] = time.perf_counter() - started - startup["checks_s"]
         param_dtype = jnp.dtype(config.param_dtype)
-        base_model = models.build_model(model_config, param_dtype=param_dtype, remat=config.remat)
+        base_model = models.build_model(model_config, param_dtype=param_dtype, remat=config.remat,
+                                        attention=config.attention, mesh=device_mesh)
         model = (lora.wrap(base_model, rank=config.lora_rank, alpha=config.lora_alpha,
                            modules=config.lora_modules, dtype=param_dtype)
                  if config.lora_rank else base_model)
@@ -136,6 +148,9 @@ class Experiment:
         frozen, frozen_shardings = None, None
         if config.lora_rank:
             frozen, frozen_shardings = _frozen_base(config, base_model, checkpoint, device_mesh)
+        jax.block_until_ready((state, frozen))
+        startup["model_s"] = (time.perf_counter() - started - startup["checks_s"]
+                              - startup["data_s"])
         return cls(config=config, mesh=device_mesh, tokenizer=tokenizer, tokenizer_info=info,
                    model_config=model_config, model=model, base_model=base_model,
                    frozen_params=frozen, frozen_shardings=frozen_shardings, state=state,
@@ -143,7 +158,8 @@ class Experiment:
                    schedule=schedule, compute_dtype=jnp.dtype(config.compute_dtype),
                    train_iterator=iterator, eval_batches=evals, total_steps=total_steps,
                    steps_per_epoch=per_epoch, data_stats=stats, checkpoint_name=checkpoint.name,
-                   memory_plan=memory_plan, checkpoints=saved, start_step=start_step)
+                   memory_plan=memory_plan, checkpoints=saved, start_step=start_step,
+                   startup=startup)
 
     # -----------------------------------------------------------------------------------------
     @property
@@ -189,13 +205,39 @@ class Experiment:
 
     @functools.cached_property
     def train_step(self) -> Any:
-        """The jit-compiled, state-donating step:
-        ``state, metrics = train_step(state, batch, frozen_params)``."""
-        return training.make_train_step(self.model, self.optimizer, self.schedule,
+        """The state-donating step, compiled (on first use) for this run's batch shape:
+        ``state, metrics = train_step(state, batch, frozen_params)``. Compiled ahead of any
+        batch, so the compile's seconds and XLA's FLOP count of the step are recorded."""
+        step = training.make_train_step(self.model, self.optimizer, self.schedule,
                                         self.compute_dtype, self.mesh, self.state_shardings,
                                         grad_accum_steps=self.config.grad_accum_steps,
                                         skip_nonfinite=self.config.skip_nonfinite,
                                         frozen_shardings=self.frozen_shardings)
+        started = time.perf_counter()
+        rows = jax.ShapeDtypeStruct((self.config.batch_size, self.config.maxlen), jnp.int32,
+                                    sharding=mesh.batch_sharding(self.mesh))
+        batch = {name: rows for name in data.BATCH_FIELDS}
+        compiled = step.lower(self.state, batch, self.frozen_params).compile()
+        self.startup["compile_s"] = time.perf_counter() - started
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        # One device's program: the step's FLOPs are every device's.
+        self.compiled_flops_per_step = float((cost or {}).get("flops", 0.0)) * jax.device_count()
+        return compiled
+
+    @functools.cached_property
+    def model_flops_per_step(self) -> float:
+        """The step's model FLOPs (6 per weight per token plus attention; ``plan.model_flops``):
+        what MFU is measured against."""
+        adapters = self.trainable_params if self.frozen_params is not None else 0
+        return plan.model_flops(self.model_config, self.num_params - adapters, self.config,
+                                adapters=adapters)
+
+    @functools.cached_property
+    def peak_flops_per_s(self) -> float | None:
+        """Dense bf16 peak of all the run's devices; None where unknown (CPUs)."""
+        devices = plan.attached_accelerator(list(self.mesh.devices.flat))
+        return devices.peak_flops * devices.chips if devices.peak_flops else None
 
     def next_batch(self) -> dict[str, Any]:
         """The next global batch, placed on the mesh (this process supplies its rows).
@@ -243,12 +285,16 @@ class Experiment:
                               steps_per_epoch=self.steps_per_epoch,
                               tokens_per_step=cfg.batch_size * cfg.maxlen,
                               log_every=cfg.log_every, show=progress and self.is_main_process,
-                              nonfinite=self._diverged)
+                              nonfinite=self._diverged, flops_per_step=self.model_flops_per_step,
+                              peak_flops_per_s=self.peak_flops_per_s)
         self.history, self.eval_history = log.history, log.eval_history
         # Decided by the step, not by file contents: every process must take the same branch
         # (evaluation is collective).
+        train_step = self.train_step  # compiled now, before the clock of the first step starts
         if self.start_step == 0:
+            eval_started = time.perf_counter()
             initial_eval = self._record_eval(0, log)
+            self.startup["initial_eval_s"] = time.perf_counter() - eval_started
         else:
             initial_eval = next((r for r in log.eval_history if r["step"] == 0),
                                 {"step": 0, "eval_loss": float("nan"),
@@ -259,7 +305,7 @@ class Experiment:
                 wait_started = time.perf_counter()
                 batch = self.next_batch()
                 data_wait = time.perf_counter() - wait_started
-                self.state, step_metrics = self.train_step(self.state, batch, self.frozen_params)
+                self.state, step_metrics = train_step(self.state, batch, self.frozen_params)
                 log.step(step, step_metrics, data_wait, self.batch_digest)
                 # One process: every step; several: a collective, so every log_every steps.
                 stopping = ((jax.process_count() == 1 or step % cfg.log_every == 0)
@@ -313,6 +359,16 @@ class Experiment:
             "checkpoint_blocking_s": float(np.mean(self.checkpoint_seconds or [0.0])),
             "first_step_seconds": self.history[0]["step_time_s"],
             "train_seconds": train_seconds,
+            # Model FLOPs (plan.model_flops) against the devices' dense bf16 peak; XLA's own
+            # count beside it as a cross-check (it misses loop bodies run more than once, and
+            # counts what remat recomputes).
+            "model_flops_per_step": self.model_flops_per_step,
+            "compiled_flops_per_step": self.compiled_flops_per_step,
+            "model_flops_per_s": self.model_flops_per_step * len(steady) / steady_time,
+            "peak_flops_per_s": self.peak_flops_per_s,
+            "mfu": (self.model_flops_per_step * len(steady) / steady_time / self.peak_flops_per_s
+                    if self.peak_flops_per_s else None),
+            "startup": self._startup_summary(),
             "num_params": self.num_params,
             "trainable_params": self.trainable_params,
             "peak_host_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -331,6 +387,16 @@ class Experiment:
             "params": self.config.to_dict(),
             "model_config": models.config_to_dict(self.model_config),
         }
+
+    def _startup_summary(self) -> dict[str, float | None]:
+        """Seconds by phase until the end of the first training step (of this process)."""
+        out = dict(self.startup)
+        first = next((r for r in self.history if r["step"] == self.start_step + 1), None)
+        before = out.get("before_prepare_s")
+        started_at = out.pop("prepare_started_at", None)
+        if first is not None and before is not None and started_at is not None:
+            out["to_first_step_s"] = before + first["time"] - started_at
+        return out
 
     def save(self) -> str:
         """Write the final (master-dtype) params to ``output_dir/params``; every process calls.
@@ -409,6 +475,16 @@ def _load_tokenizer_everywhere(config: TrainConfig, corpus: data.Corpus, rule: d
         path.write_bytes(proto)
     multihost_utils.sync_global_devices("gemmalab-tokenizer")
     return load(False)
+
+
+def _seconds_since_process_start() -> float | None:
+    """How long this Python process (e.g. the notebook's kernel) ran before now."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a figure for the summary, never worth failing a run
+        return None
 
 
 def _resume_values(config: TrainConfig) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from gemmalab import data
+from gemmalab.packing import plan_rows
 
 PACKING_SAMPLE = 4_000
 
@@ -29,17 +30,9 @@ def _lengths_split(lengths: np.ndarray) -> data.TokenizedSplit:
 
 def packed_real_share(lengths: np.ndarray, maxlen: int) -> float:
     """Share of real (loss-bearing) positions in rows packed exactly as training packs them."""
-    split = _lengths_split(lengths)
-    windows = data.WindowSource(split, maxlen)
-    import grain
-
-    rows = data.rows_dataset(grain.MapDataset.source(windows).to_iter_dataset(), maxlen=maxlen,
-                      packing=True, num_bins=data.PACKING_BINS, seed=0, shuffle_bins=False)
-    real = total = 0
-    for row in rows:
-        real += int((row["segment_ids"] > 0).sum())
-        total += maxlen
-    return real / total
+    windows = data.WindowSource(_lengths_split(lengths), maxlen)
+    plan = plan_rows(windows.lengths, maxlen)
+    return windows.num_targets / (plan.num_rows * maxlen) if plan.num_rows else 1.0
 
 
 def layout_table(lengths: np.ndarray, maxlens: list[int], *, seed: int = 0) -> Any:

@@ -72,11 +72,15 @@ class StepLog:
     runs), so the device never waits for the host; ``settle`` reads the last one now, e.g. before
     a checkpoint claims it. ``nonfinite`` builds the error raised for a non-finite loss or
     gradient norm in a step that was not skipped.
+
+    Each step's record carries its wall-clock ``time``, and with ``flops_per_step`` (the model's
+    FLOPs) the achieved ``model_flops_per_s``; with the devices' ``peak_flops_per_s`` its MFU.
     """
 
     def __init__(self, sink: MetricsSink, *, total_steps: int, start_step: int,
                  steps_per_epoch: int, tokens_per_step: int, log_every: int, show: bool,
-                 nonfinite: Callable[[int, dict[str, float]], Exception]):
+                 nonfinite: Callable[[int, dict[str, float]], Exception],
+                 flops_per_step: float | None = None, peak_flops_per_s: float | None = None):
         from tqdm.auto import tqdm
 
         self.sink = sink
@@ -84,6 +88,7 @@ class StepLog:
         self.eval_history = sink.kept["eval"]
         self._total, self._per_epoch, self._tokens = total_steps, steps_per_epoch, tokens_per_step
         self._log_every, self._nonfinite = log_every, nonfinite
+        self._flops, self._peak = flops_per_step, peak_flops_per_s
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                          disable=not show)
         self._pending: tuple | None = None
@@ -107,7 +112,12 @@ class StepLog:
         record = {"step": step, "epoch": step / self._per_epoch, **values,
                   "tokens": self._tokens, "step_time_s": step_time, "data_wait_s": data_wait,
                   "batch_crc32": digest, "tokens_per_s": self._tokens / step_time,
-                  "useful_tokens_per_s": values["useful_tokens"] / step_time}
+                  "useful_tokens_per_s": values["useful_tokens"] / step_time,
+                  "time": time.time()}
+        if self._flops:
+            record["model_flops_per_s"] = self._flops / step_time
+            if self._peak:
+                record["mfu"] = record["model_flops_per_s"] / self._peak
         self.history.append(record)
         self.sink.write("metrics", record)
         self._bar.update(1)

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gemmalab import attention as attention_lib
 from gemmalab import gemma_lib, storage
 from gemmalab.config import PRESET_NAMES, REMAT_POLICIES
 from gemmalab.errors import ConfigError
@@ -81,20 +82,38 @@ def model_config(preset_name: str, vocab_size: int) -> gm.nn.config.TransformerC
 
 
 def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
-                remat: str = "none") -> gm.nn.Transformer:
+                remat: str = "none", attention: str = "gemma", mesh: Any = None
+                ) -> gm.nn.Transformer:
     """A gemma Transformer for ``config`` whose ``init`` creates ``param_dtype`` weights.
 
     ``remat`` (``REMAT_POLICIES``) trades compute for activation memory in the backward pass:
     ``"full"`` keeps only each block's input and recomputes the block, ``"dots"`` also keeps
     the outputs of the weight matmuls (recomputing norms, attention scores and activations).
+    ``attention`` (``ATTENTION_IMPLS``) picks what computes attention without a KV cache
+    (``gemmalab.attention``), for the devices of ``mesh`` (default: the default backend's).
     The weights and their names are the same whichever is chosen.
     """
     gm = gemma_lib.gm()
     if remat not in REMAT_POLICIES:
         raise ConfigError("remat", f"unknown policy {remat!r}", f"use one of {REMAT_POLICIES}")
-    if remat == "none":
-        return gm.nn.Transformer(config=config, dtype=param_dtype)
-    return _remat_transformer_class()(config=config, dtype=param_dtype, remat=remat)
+    base = gm.nn.Transformer if remat == "none" else _remat_transformer_class()
+    fields = {} if remat == "none" else {"remat": remat}
+    kernel = attention_kernel(attention, config, mesh)
+    if kernel is None:
+        return base(config=config, dtype=param_dtype, **fields)
+    return attention_lib.transformer_class(base)(config=config, dtype=param_dtype,
+                                                 attention=kernel, **fields)
+
+
+def attention_kernel(attention: str, config: gm.nn.config.TransformerConfig, mesh: Any = None
+                     ) -> attention_lib.Kernel | None:
+    """The fused attention kernel ``attention`` means for the devices of ``mesh`` (default: the
+    default backend's); None: gemma's own attention."""
+    import jax
+
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return attention_lib.kernel_for(attention, platform=platform, mesh=mesh,
+                                    soft_cap=config.attn_logits_soft_cap)
 
 
 @functools.cache

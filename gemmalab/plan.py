@@ -627,7 +627,7 @@ def _compile_here(config: TrainConfig, accelerator: Accelerator) -> dict[str, An
     device_mesh = mesh.make_mesh(config.mesh, topology.devices, num_slices=config.num_slices)
     model_config = models.model_config(config.model, vocab_size_hint(config))
     model = models.build_model(model_config, param_dtype=jnp.dtype(config.param_dtype),
-                               remat=config.remat)
+                               remat=config.remat, attention=config.attention, mesh=device_mesh)
     params = abstract_params(model_config, config.param_dtype)
     frozen = frozen_shardings = None
     if config.lora_rank:  # the state: adapters; the base: a compute-dtype argument

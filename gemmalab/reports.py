@@ -16,7 +16,8 @@ SUMMARY_ROWS = (
     "steps", "initial_train_loss", "final_train_loss", "initial_eval_loss", "final_eval_loss",
     "initial_eval_perplexity", "final_eval_perplexity", "tokens_per_s", "useful_tokens_per_s",
     "useful_token_share", "mean_step_time_s", "data_wait_share", "first_step_seconds",
-    "train_seconds", "num_params", "peak_host_memory_gb", "devices", "mesh",
+    "train_seconds", "model_flops_per_s", "mfu", "num_params", "peak_host_memory_gb", "devices",
+    "mesh",
 )
 
 
@@ -25,6 +26,10 @@ def summary_table(summary: dict[str, Any]) -> Any:
     import pandas as pd
 
     rows = {k: summary[k] for k in SUMMARY_ROWS if k in summary}
+    startup = summary.get("startup", {})
+    for phase in ("compile_s", "to_first_step_s"):  # the rest stays in summary.json
+        if phase in startup:
+            rows[f"startup_{phase}"] = startup[phase]
     return pd.DataFrame({"value": pd.Series(rows, dtype=object)}).rename_axis("metric")
 
 

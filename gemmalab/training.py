@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gemmalab import lora, sharding
+from gemmalab import attention, lora, sharding
 from gemmalab.mesh import batch_sharding, global_batch, replicated
 
 # Largest logits block the loss materialises (elements): 1 GiB in fp32.
@@ -79,11 +79,13 @@ def cast_params(params: Any, dtype: Any) -> Any:
 def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array,
                           mask: jax.Array, *, softcap: float | None = None,
                           max_logits: int) -> tuple[jax.Array, jax.Array]:
-    """``masked_cross_entropy`` of the tied-embedding logits, never all materialised at once.
+    """``masked_cross_entropy`` of the tied-embedding logits, at most ``max_logits`` at once.
 
-    With Gemma's 262k vocabulary the logits of a 128 x 256 batch take 34 GB in fp32; here the
+    With Gemma's 262k vocabulary the logits of a 128 x 256 batch take 34 GB in fp32; there the
     tokens are processed in chunks of at most ``max_logits`` logits, and each chunk's logits
-    are recomputed in the backward pass instead of stored.
+    are recomputed in the backward pass instead of stored. When the whole batch's logits fit
+    in one chunk (small vocabularies, small batches) they are kept: recomputing them would cost
+    a third more of the loss's FLOPs for no memory saved.
     """
     dim = hidden.shape[-1]
     vocab = embedding.shape[0]
@@ -95,7 +97,6 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
         hidden = jnp.pad(hidden, ((0, padding), (0, 0)))
         targets, mask = jnp.pad(targets, (0, padding)), jnp.pad(mask, (0, padding))
 
-    @jax.checkpoint
     def one_chunk(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         h, t, m = args
         logits = jnp.dot(h, embedding.T)
@@ -104,9 +105,9 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
         return masked_cross_entropy(logits, t, m)
 
     chunks = (hidden.reshape(-1, chunk, dim), targets.reshape(-1, chunk), mask.reshape(-1, chunk))
-    if chunks[0].shape[0] == 1:
+    if chunks[0].shape[0] == 1:  # all logits fit in the bound: keep them, recompute nothing
         return one_chunk(tuple(c[0] for c in chunks))
-    totals, counts = jax.lax.map(one_chunk, chunks)
+    totals, counts = jax.lax.map(jax.checkpoint(one_chunk), chunks)
     return jnp.sum(totals), jnp.sum(counts)
 
 
@@ -119,10 +120,12 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
     params = cast_params(params, compute_dtype)
     if frozen is not None:
         params = lora.join(cast_params(frozen, compute_dtype), params)
+    # A fused attention kernel takes the segments, not the [B, L, L] mask (gemmalab.attention).
+    mask = (attention.segment_starts(batch["segment_ids"]) if attention.kernel_of(model)
+            else attention_mask(batch["segment_ids"]))
     # The model's own logits are unused (XLA drops them); the loss recomputes them in chunks.
     output = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
-                         attention_mask=attention_mask(batch["segment_ids"]),
-                         return_hidden_states=True)
+                         attention_mask=mask, return_hidden_states=True)
     return chunked_cross_entropy(output.hidden_states, params["embedder"]["input_embedding"],
                                  batch["targets"], batch["loss_mask"] > 0,
                                  softcap=model.config.final_logit_softcap,

@@ -44,6 +44,29 @@ def test_a_run_learns_and_reports(finished_run):
     assert [r["step"] for r in experiment.eval_history] == [0, 5, 10, 12]
 
 
+def test_flops_mfu_and_start_up_are_reported(finished_run):
+    experiment, summary, _, _ = finished_run
+    config = experiment.model_config
+    tokens = 8 * 64
+    # 6 FLOPs per weight per token, plus attention's scores and values (12 * layers * heads *
+    # head_dim * maxlen per token): the count MFU is measured against.
+    expected = tokens * (6 * summary["num_params"]
+                         + 12 * config.num_layers * config.num_heads * config.head_dim * 64)
+    assert summary["model_flops_per_step"] == pytest.approx(expected, rel=1e-9)
+    # XLA's count of the compiled step (optimizer, norms, softmax besides the matmuls).
+    assert 0.8 < summary["compiled_flops_per_step"] / summary["model_flops_per_step"] < 1.5
+    steady = experiment.history[1:]
+    assert summary["model_flops_per_s"] == pytest.approx(
+        expected * len(steady) / sum(r["step_time_s"] for r in steady), rel=1e-6)
+    assert summary["mfu"] is None and summary["peak_flops_per_s"] is None  # CPUs: no known peak
+    for record in experiment.history:
+        assert record["model_flops_per_s"] == pytest.approx(expected / record["step_time_s"])
+    startup = summary["startup"]
+    for phase in ("checks_s", "data_s", "model_s", "compile_s", "initial_eval_s"):
+        assert startup[phase] >= 0
+    assert startup["to_first_step_s"] > startup["compile_s"] + startup["initial_eval_s"]
+
+
 def test_outputs_on_disk(finished_run):
     experiment, summary, saved, _ = finished_run
     output = experiment.config.output_dir
