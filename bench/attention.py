@@ -21,6 +21,7 @@ Prints markdown tables (docs/benchmarks.md, "Attention at long maxlen").
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 import warnings
@@ -129,24 +130,30 @@ def aot_table(args: argparse.Namespace) -> None:
     for topology in args.topologies:
         for maxlen in args.aot_maxlens:
             rows = max(1, args.aot_tokens // maxlen)
-            found = {}
+            cells, temporaries, seconds = {}, {}, {}
             for name in ("gemma", "splash"):
                 config = TrainConfig(model=args.aot_model, tokenizer="gemma3", maxlen=maxlen,
                                      batch_size=rows, compute_dtype="bfloat16", attention=name)
                 try:
                     compiled = plan.compile_plan(config, topology)
-                except (ConfigError, RuntimeError) as error:  # e.g. too large to compile
-                    print(f"| {topology} | {maxlen} | {rows} | {name} failed: "
-                          f"{str(error).splitlines()[-1][:80]} |")
-                    break
-                found[name] = compiled
-            if len(found) < 2:
-                continue
-            gemma, splash = (found[n].breakdown["temporaries"] for n in ("gemma", "splash"))
-            print(f"| {topology} | {maxlen} | {rows} | {gemma / 2**30:.2f} | "
-                  f"{splash / 2**30:.2f} | {splash / gemma:.2f} | "
-                  f"{found['gemma'].compile_seconds:.0f}, {found['splash'].compile_seconds:.0f} |",
-                  flush=True)
+                except (ConfigError, RuntimeError) as error:
+                    cells[name], seconds[name] = failure(str(error)), "-"
+                    continue
+                temporaries[name] = compiled.breakdown["temporaries"]
+                cells[name] = f"{temporaries[name] / 2**30:.2f}"
+                seconds[name] = f"{compiled.compile_seconds:.0f}"
+            ratio = (f"{temporaries['splash'] / temporaries['gemma']:.2f}"
+                     if len(temporaries) == 2 else "-")
+            print(f"| {topology} | {maxlen} | {rows} | {cells['gemma']} | {cells['splash']} | "
+                  f"{ratio} | {seconds['gemma']}, {seconds['splash']} |", flush=True)
+
+
+def failure(message: str) -> str:
+    """A table cell for a compile that failed: libtpu's out-of-memory figures, if that is it."""
+    found = re.search(r"temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", message)
+    if found:
+        return f"does not fit: {found.group(1)} > {found.group(2)} HBM"
+    return "failed: " + message.strip().splitlines()[-1][:60]
 
 
 def main() -> None:

@@ -23,6 +23,8 @@ reach it (interpolated between evaluations), their ratio, and both at equal time
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import math
 import sys
 import tempfile
@@ -133,6 +135,9 @@ def main() -> None:
     parser.add_argument("--maxlen", type=int, default=256)
     parser.add_argument("--heldout", type=int, default=300, help="held-out stories")
     parser.add_argument("--cache-dir", default="")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
+                        help="another gemmalab contender with TrainConfig overrides, e.g. "
+                             "'bs32:batch_size=32' (repeatable): a recipe sweep in the same run")
     args = parser.parse_args()
 
     workdir = tempfile.mkdtemp(prefix="time_to_quality_")
@@ -155,44 +160,51 @@ def main() -> None:
         lambda: jax.device_put(np.asarray(next(tutorial_rows), np.int32)),
         tutorial_loop.init_state(tutorial_model, lab.state.params, peak_lr),
         lambda state: state.params, max_steps=10**9, bos=False)
-    lab_step = lab.train_step
-    gemmalab = Contender(
-        "gemmalab", lambda state, batch: lab_step(state, batch, lab.frozen_params),
-        lab.next_batch, lab.state, lambda state: state.params, max_steps=lab.total_steps,
-        bos=True)
     print(f"{config.model}, batch {args.batch} x {args.maxlen}, peak LR {peak_lr:g}; held out: "
           f"{bpb.stories} stories, {bpb.bytes:,} bytes; gemmalab's schedule: "
           f"{lab.total_steps} steps", flush=True)
-
-    contenders = (tutorial, gemmalab)
+    contenders = [tutorial, lab_contender("gemmalab", lab)]
+    for spec in args.variant:
+        name, _, fields = spec.partition(":")
+        overrides = {k: ast.literal_eval(v) for k, v in
+                     (item.split("=", 1) for item in fields.split(",") if item)}
+        variant = Experiment.prepare(dataclasses.replace(
+            config, output_dir=f"{workdir}/{name}", **overrides))
+        contenders.append(lab_contender(name, variant))
     for contender in contenders:  # compile outside the clock, then start both at bpb(init)
         contender.state, _ = contender.step(contender.state, contender.next_batch())
         contender.steps = 1
         contender.evaluate(bpb)
         contender.timeline[-1] = (0.0, contender.timeline[-1][1])
-    while tutorial.seconds < args.seconds:
+    while any(c.seconds < args.seconds and c.steps < c.max_steps for c in contenders):
         for contender in contenders:
-            if contender.seconds < args.seconds:
+            if contender.seconds < args.seconds and contender.steps < contender.max_steps:
                 contender.train_for(min(args.chunk, args.seconds - contender.seconds))
                 contender.evaluate(bpb)
         print("  " + ", ".join(f"{c.name} {c.seconds:.0f} s/{c.steps} steps: "
                                f"{c.timeline[-1][1]:.3f} bpb" for c in contenders), flush=True)
 
     level = tutorial.timeline[-1][1]
+    tutorial_reach = seconds_to_reach(tutorial.timeline, level)
     rows = []
     for contender in contenders:
         reach = seconds_to_reach(contender.timeline, level)
         rows.append({"loop": contender.name, "steps": contender.steps,
                      f"bpb at {args.seconds:.0f} s": contender.timeline[-1][1],
-                     f"seconds to {level:.3f} bpb": reach})
+                     f"seconds to {level:.3f} bpb": reach,
+                     "sooner than the tutorial": tutorial_reach / reach if reach else None,
+                     "tutorial's bpb then": value_at(tutorial.timeline, reach) if reach else None})
     import pandas as pd
 
     print(pd.DataFrame(rows).set_index("loop").to_markdown(floatfmt=".3f"))
-    lab_reach = rows[1][f"seconds to {level:.3f} bpb"]
-    if lab_reach:
-        print(f"\ngemmalab reaches the tutorial's final {level:.3f} bpb "
-              f"{rows[0][f'seconds to {level:.3f} bpb'] / lab_reach:.1f}x sooner; at "
-              f"{lab_reach:.0f} s the tutorial is at {value_at(tutorial.timeline, lab_reach):.3f}")
+
+
+def lab_contender(name: str, lab: Experiment) -> Contender:
+    """A gemmalab run driven step by step (its compiled step, its prefetched batches)."""
+    step = lab.train_step
+    return Contender(name, lambda state, batch: step(state, batch, lab.frozen_params),
+                     lab.next_batch, lab.state, lambda state: state.params,
+                     max_steps=lab.total_steps, bos=True)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ from gemmalab.errors import ConfigError
 SPLASH_LANES = 128
 # Largest splash block (queries and keys): 512 is MaxText's choice for v5e/v6e.
 SPLASH_BLOCKS = (512, 256, 128)
-FUSED = ("dot_product", "splash")
 
 
 @dataclasses.dataclass(frozen=True)

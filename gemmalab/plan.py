@@ -318,7 +318,8 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
         # master-dtype accumulator besides them when micro-batches are summed.
         "gradients": trained * c_size + (weights if accumulating else 0),
         "weight_copies": _weight_copy_bytes(shards, gathered, config.remat, base_size, c_size),
-        "activations": _activation_bytes(model_config, sizes, config, c_size),
+        "activations": _activation_bytes(model_config, sizes, config, c_size,
+                                         splash=_runs_splash(config, accelerator)),
         "logits": _logits_bytes(config, sizes, vocab, data_ways),
         "batch": BATCH_FIELD_COUNT * 4 * config.batch_size // data_ways * config.maxlen,
         # The compiled program itself: 0.27-0.48 GiB in the compiled steps of docs/scaling.md.
@@ -360,9 +361,18 @@ def _weight_copy_bytes(shards: dict[str, int], gathered: dict[str, int], remat: 
     return embedding + 2 * max(blocks, default=0) * c_size
 
 
+def _runs_splash(config: TrainConfig, accelerator: Accelerator) -> bool:
+    from gemmalab import attention
+
+    return attention.resolve(config.attention, accelerator.platform) == "splash"
+
+
 def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainConfig,
-                      c_size: int) -> int:
-    """What the backward pass keeps of one micro-batch, plus one block's working set."""
+                      c_size: int, *, splash: bool = False) -> int:
+    """What the backward pass keeps of one micro-batch, plus one block's working set.
+
+    ``splash``: attention by the splash kernel (gemmalab.attention), which keeps no scores.
+    """
     tensor = sizes["tensor"]
 
     def split(n: int) -> int:
@@ -378,7 +388,10 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
     # MLP's gate, up and activation in the compute dtype, and the attention logits and
     # probabilities over the sequence in float32.
     block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw) * c_size
-    block += heads * length * 2 * 4
+    if splash:  # no scores, but q, k, v and the output again in the kernel's heads-major layout
+        block += (2 * heads * hd + 2 * kv_heads * hd) * c_size
+    else:
+        block += heads * length * 2 * 4
     kept = {"none": block,
             # the weight matmuls' outputs: q, k, v, attention output, gate and up, down
             "dots": (2 * d + (heads + 2 * kv_heads) * hd + 2 * ffw) * c_size,

@@ -262,6 +262,47 @@ def test_dense_masks_and_kv_caches_stay_on_gemmas_code(tiny, monkeypatch):
     np.testing.assert_array_equal(prefill(gemma), prefill(fused))
 
 
+def test_the_memory_plan_counts_no_scores_for_splash():
+    """The analytic plan: with splash (auto on a TPU) a step's activations do not grow with
+    maxlen at a constant token count, as compiled (docs/benchmarks.md: 9.2 GiB of temporaries
+    for gemma3-270m from maxlen 256 to 8192); gemma's keep growing with the scores."""
+    def activations(maxlen, name, accelerator="v6e:1x1"):
+        config = TrainConfig(model="gemma3-270m", tokenizer="gemma3", maxlen=maxlen,
+                             batch_size=16384 // maxlen, attention=name)
+        return plan.estimate(config, accelerator).breakdown["activations"]
+
+    assert activations(8192, "splash") == activations(1024, "splash")
+    assert activations(8192, "gemma") > 2 * activations(1024, "gemma")
+    assert activations(8192, "auto") == activations(8192, "splash")
+    assert activations(8192, "auto", "h200") == activations(8192, "gemma", "h200")
+
+
+# --- a whole run -----------------------------------------------------------------------------
+
+def test_a_run_trains_evaluates_and_samples_with_a_fused_kernel(tmp_path, cache_dir,
+                                                                 stories_file):
+    """TrainConfig.attention reaches the run's model: the same eval losses as gemma's attention
+    (float32), and the sampler (KV cache, gemma's code) works on the fused model."""
+    from conftest import PROMPT
+    from test_experiment import small_config
+
+    from gemmalab.experiment import Experiment
+
+    runs = {}
+    for name in ("gemma", "dot_product"):
+        experiment = Experiment.prepare(small_config(
+            tmp_path / name, cache_dir, stories_file, attention=name, max_steps=3, eval_every=0,
+            compute_dtype="float32"))
+        kernel = attention.kernel_of(experiment.model)
+        assert (kernel.name if kernel else "gemma") == name
+        summary = experiment.train(progress=False)
+        runs[name] = summary, experiment.sample(PROMPT, max_new_tokens=8).text
+    (gemma, _), (fused, sample) = runs["gemma"], runs["dot_product"]
+    assert fused["initial_eval_loss"] == pytest.approx(gemma["initial_eval_loss"], rel=1e-5)
+    assert fused["final_eval_loss"] == pytest.approx(gemma["final_eval_loss"], rel=1e-4)
+    assert isinstance(sample, str) and sample
+
+
 # --- the TPU compile: libtpu AOT, no chip needed ---------------------------------------------
 
 needs_libtpu = pytest.mark.skipif(plan.find_libtpu() is None,
@@ -271,11 +312,16 @@ needs_libtpu = pytest.mark.skipif(plan.find_libtpu() is None,
 @needs_libtpu
 @pytest.mark.slow
 def test_splash_compiles_for_tpu_and_needs_less_temporary_memory():
-    """The train step with splash, lowered and compiled by libtpu for a v6e chip: the Mosaic
-    kernel compiles, and the step's temporaries shrink (no [B, N, L, L] scores kept)."""
+    """The train step with splash, lowered and compiled by libtpu for v6e chips: the Mosaic
+    kernel compiles, alone and under shard_map, and the step's temporaries shrink (no
+    [B, N, L, L] scores kept: 503 vs 742 MB here)."""
     config = TrainConfig(model="gemma3-tiny", tokenizer_vocab_size=600, batch_size=8,
                          maxlen=1024, compute_dtype="bfloat16")
     temporaries = {name: plan.compile_plan(dataclasses.replace(config, attention=name),
                                            "v6e:1x1").breakdown["temporaries"]
                    for name in ("gemma", "splash")}
     assert temporaries["splash"] < 0.8 * temporaries["gemma"]
+    # Four chips, rows over data and heads over tensor (shard_map), blocks rematerialised.
+    split = dataclasses.replace(config, attention="splash", maxlen=256,
+                                mesh={"data": 2, "tensor": 2}, remat="full")
+    assert plan.compile_plan(split, "v6e:2x2").method == "compiled"
