@@ -4,7 +4,8 @@ defaults against the tutorial's loop on the same model and data.
     .venv/bin/python bench/time_to_quality.py --seconds 200
 
 Both train the gemma3-tiny preset from the same random init on the embedded stories, with the
-same tokenizer, rows of ``--maxlen`` and ``--batch`` rows a step. gemmalab runs its defaults (packed
+same tokenizer, rows of ``--maxlen`` and (unless ``--tutorial-batch`` says otherwise) the same
+rows a step: gemmalab's default batch. gemmalab runs its defaults (packed
 rows, loss masks, BOS/EOS, warmup + cosine at the preset's peak learning rate, fp32 master
 weights); the tutorial's loop (``bench/tutorial_loop.py``) runs as the tutorial wrote it, at the
 same peak learning rate held constant (its own 2e-5 suits a pretrained checkpoint and barely
@@ -131,7 +132,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=200, help="training budget per loop")
     parser.add_argument("--chunk", type=float, default=10, help="seconds per turn, per eval")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=None, help="default: the model's")
+    parser.add_argument("--tutorial-batch", type=int, default=None,
+                        help="rows per step of the tutorial's loop (default: gemmalab's)")
     parser.add_argument("--maxlen", type=int, default=256)
     parser.add_argument("--heldout", type=int, default=300, help="held-out stories")
     parser.add_argument("--cache-dir", default="")
@@ -153,14 +156,16 @@ def main() -> None:
 
     stories = tutorial_loop.read_stories(lab.data_stats["corpus_path"])
     tutorial_model = models.build_model(lab.model_config, param_dtype=jnp.bfloat16)
+    tutorial_batch = args.tutorial_batch or config.batch_size
     tutorial_rows = tutorial_loop.batches(stories, lab.tokenizer, maxlen=args.maxlen,
-                                          batch_size=args.batch)
+                                          batch_size=tutorial_batch)
     tutorial = Contender(
         "tutorial", tutorial_loop.train_step,
         lambda: jax.device_put(np.asarray(next(tutorial_rows), np.int32)),
         tutorial_loop.init_state(tutorial_model, lab.state.params, peak_lr),
         lambda state: state.params, max_steps=10**9, bos=False)
-    print(f"{config.model}, batch {args.batch} x {args.maxlen}, peak LR {peak_lr:g}; held out: "
+    print(f"{config.model}, batch {config.batch_size} x {args.maxlen} (tutorial: "
+          f"{tutorial_batch}), peak LR {peak_lr:g}; held out: "
           f"{bpb.stories} stories, {bpb.bytes:,} bytes; gemmalab's schedule: "
           f"{lab.total_steps} steps", flush=True)
     contenders = [tutorial, lab_contender("gemmalab", lab)]

@@ -130,8 +130,8 @@ def test_the_batch_error_suggests_a_batch_that_fits():
                        r"data-parallel ways of 2 x v6e 2x4\. Fix: use a multiple of 16, e.g\. 96"):
         ClusterConfig(accelerator="v6e", topology="2x4", num_slices=2,
                       params={"batch_size": 100})
-    # The notebook's default batch (64) is checked too.
-    with pytest.raises(ConfigError, match="64 is not divisible by the 256 data-parallel ways"):
+    # The notebook's default batch (None: the default model's 16) is checked too.
+    with pytest.raises(ConfigError, match="16 is not divisible by the 256 data-parallel ways"):
         ClusterConfig(accelerator="v6e", topology="16x16")
 
 
@@ -147,7 +147,8 @@ def test_the_notebook_parameters_are_read_from_the_notebook():
     params = notebook_parameters()
     assert params is not None
     assert {"model", "batch_size", "output_dir", "cache_dir", "data_path", "prompt"} <= set(params)
-    assert isinstance(params["batch_size"], int)
+    assert params["batch_size"] is None  # the model's default batch (TrainConfig)
+    assert isinstance(params["max_new_tokens"], int)
     assert notebook_parameters("/nonexistent/train.ipynb") is None
 
 

@@ -185,14 +185,15 @@ class ClusterConfig:
         train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
         values = {k: v for k, v in self.params.items() if k in train_fields}
         try:
-            TrainConfig(**values)
+            resolved = TrainConfig(**values)
         except ConfigError as e:
             raise ConfigError(f"params.{e.parameter}", e.problem, e.fix) from None
         except TypeError as e:
             raise ConfigError("params", f"a value has the wrong type ({e})",
                               "use the types of the notebook's defaults") from None
-        batch = self.params.get("batch_size",
-                                (defaults or {}).get("batch_size", TrainConfig.batch_size))
+        # None (the notebook's default): the model's own default batch, as the run resolves it.
+        batch = (self.params.get("batch_size") or (defaults or {}).get("batch_size")
+                 or resolved.batch_size)
         ways = self._data_parallel_size()
         require(batch % ways == 0, "params.batch_size",
                 f"{batch} is not divisible by the {ways} data-parallel ways of "
