@@ -288,9 +288,9 @@ class Experiment:
                               nonfinite=self._diverged, flops_per_step=self.model_flops_per_step,
                               peak_flops_per_s=self.peak_flops_per_s)
         self.history, self.eval_history = log.history, log.eval_history
+        train_step = self.train_step  # compiled now, before the clock of the first step starts
         # Decided by the step, not by file contents: every process must take the same branch
         # (evaluation is collective).
-        train_step = self.train_step  # compiled now, before the clock of the first step starts
         if self.start_step == 0:
             eval_started = time.perf_counter()
             initial_eval = self._record_eval(0, log)
