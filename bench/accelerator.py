@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab import lora, mesh, models, plan, training
+from gemmalab import lora, mesh, models, plan, sharding, training
 from gemmalab.config import TrainConfig
 
 
@@ -67,8 +67,6 @@ def measure(case: Case, *, steps: int, vocab: int) -> dict[str, Any]:
     schedule = training.learning_rate_schedule(1e-5, 1000, warmup_ratio=0.0, min_lr_ratio=1.0)
     optimizer = training.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
                                         max_grad_norm=1.0)
-    from gemmalab import sharding
-
     expected = plan.abstract_params(model_config, "float32")
     weights = models.init_params(base_model, seed=0, sample_length=case.maxlen,
                                  shardings=sharding.param_sharding(expected, device_mesh))

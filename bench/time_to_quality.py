@@ -154,16 +154,10 @@ def main() -> None:
     bpb = BitsPerByte(lab.base_model, tutorial_loop.read_stories(str(heldout_path)),
                       lab.tokenizer, maxlen=args.maxlen)
 
-    stories = tutorial_loop.read_stories(lab.data_stats["corpus_path"])
-    tutorial_model = models.build_model(lab.model_config, param_dtype=jnp.bfloat16)
     tutorial_batch = args.tutorial_batch or config.batch_size
-    tutorial_rows = tutorial_loop.batches(stories, lab.tokenizer, maxlen=args.maxlen,
-                                          batch_size=tutorial_batch)
-    tutorial = Contender(
-        "tutorial", tutorial_loop.train_step,
-        lambda: jax.device_put(np.asarray(next(tutorial_rows), np.int32)),
-        tutorial_loop.init_state(tutorial_model, lab.state.params, peak_lr),
-        lambda state: state.params, max_steps=10**9, bos=False)
+    setup = tutorial_loop.beside(lab, batch_size=tutorial_batch, learning_rate=peak_lr)
+    tutorial = Contender("tutorial", tutorial_loop.train_step, setup.next_batch, setup.state,
+                         lambda state: state.params, max_steps=10**9, bos=False)
     print(f"{config.model}, batch {config.batch_size} x {args.maxlen} (tutorial: "
           f"{tutorial_batch}), peak LR {peak_lr:g}; held out: "
           f"{bpb.stories} stories, {bpb.bytes:,} bytes; gemmalab's schedule: "

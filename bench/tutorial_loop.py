@@ -11,7 +11,9 @@ Used by ``bench/vs_tutorial.py`` (step and tokens/s) and ``bench/time_to_quality
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -64,6 +66,29 @@ def init_state(model: Any, params: Any, learning_rate: float) -> train_state.Tra
     weights = jax.tree.map(lambda p: jnp.asarray(p, jnp.bfloat16), params)
     return train_state.TrainState.create(apply_fn=model.apply, params=weights,
                                          tx=optax.adamw(learning_rate))
+
+
+@dataclasses.dataclass
+class Beside:
+    """The tutorial's loop set up beside a gemmalab run (``beside``)."""
+
+    state: train_state.TrainState
+    next_batch: Callable[[], jax.Array]  # the next [rows, maxlen] token batch, on the device
+    stories: int  # in the corpus file it reads
+
+
+def beside(lab: Any, *, batch_size: int, learning_rate: float) -> Beside:
+    """The tutorial's loop on what the ``gemmalab.experiment.Experiment`` ``lab`` trains: its
+    model config and initial weights (in bfloat16), its corpus file (every story, read whole)
+    and tokenizer, rows of its ``maxlen``."""
+    from gemmalab import models
+
+    stories = read_stories(lab.data_stats["corpus_path"])
+    model = models.build_model(lab.model_config, param_dtype=jnp.bfloat16)
+    rows = batches(stories, lab.tokenizer, maxlen=lab.config.maxlen, batch_size=batch_size)
+    return Beside(state=init_state(model, lab.state.params, learning_rate),
+                  next_batch=lambda: jax.device_put(np.asarray(next(rows), np.int32)),
+                  stories=len(stories))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

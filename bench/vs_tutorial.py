@@ -25,13 +25,11 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tutorial_loop  # noqa: E402 - bench/ is not a package
 
-from gemmalab import models  # noqa: E402
 from gemmalab.config import TrainConfig  # noqa: E402
 from gemmalab.experiment import Experiment  # noqa: E402
 
@@ -94,23 +92,19 @@ def main() -> None:
                          checkpoint_every=0, resume=False, max_steps=10**6,
                          output_dir=f"{workdir}/run", cache_dir=args.cache_dir)
     lab = Experiment.prepare(config)
-    stories = tutorial_loop.read_stories(lab.data_stats["corpus_path"])
-    tutorial_model = models.build_model(lab.model_config, param_dtype=jnp.bfloat16)
-    tutorial_state = tutorial_loop.init_state(tutorial_model, lab.state.params,
-                                              lab.schedule(config.max_steps // 2))
-    tutorial_rows = tutorial_loop.batches(stories, lab.tokenizer, maxlen=args.maxlen,
-                                          batch_size=args.batch)
+    tutorial = tutorial_loop.beside(lab, batch_size=args.batch,
+                                    learning_rate=lab.schedule(config.max_steps // 2))
+    tutorial_state = tutorial.state
     row_tokens = args.batch * args.maxlen
     print(f"{config.model} ({lab.num_params:,} params), batch {args.batch} x {args.maxlen}, "
-          f"{len(stories):,} stories, {jax.device_count()} x {jax.devices()[0].device_kind}")
+          f"{tutorial.stories:,} stories, {jax.device_count()} x {jax.devices()[0].device_kind}")
 
     totals = {"tutorial": Timing(), "gemmalab": Timing()}
     for round_index in range(args.rounds):
         warmup = args.warmup if round_index == 0 else 0
         timing, tutorial_state = run_steps(
-            lambda: jax.device_put(np.asarray(next(tutorial_rows), np.int32)),
-            tutorial_loop.train_step, tutorial_state, steps=args.steps, warmup=warmup,
-            row_tokens=row_tokens)
+            tutorial.next_batch, tutorial_loop.train_step, tutorial_state, steps=args.steps,
+            warmup=warmup, row_tokens=row_tokens)
         totals["tutorial"].add(timing)
         timing, lab.state = run_steps(
             lab.next_batch, lambda s, b: lab.train_step(s, b, lab.frozen_params), lab.state,
