@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import grain
+import numpy as np
+from grain.multiprocessing import SharedMemoryArray
 
 from gemmalab.errors import ConfigError
 from gemmalab.packing import Batch, BatchStream
@@ -29,6 +31,13 @@ class PackedBatchDataset(grain.IterDataset):
         self._windows, self._rows_per_batch = windows, rows_per_batch
         self._packing, self._seed = packing, seed
         self._slice = slice(0, None, 1)
+        self._shared_memory = False
+
+    def enable_shared_memory_output(self) -> None:
+        """grain's ``mp_prefetch`` calls this (``SupportsSharedMemoryOutput``): the workers then
+        build each batch's arrays in shared memory, and only their names cross to the training
+        process (no copy into shared memory, no pickled arrays)."""
+        self._shared_memory = True
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
         if sequential_slice:  # an endless stream has no "first half"
@@ -39,11 +48,16 @@ class PackedBatchDataset(grain.IterDataset):
         return PackedBatchIterator(BatchStream(
             self._windows, rows_per_batch=self._rows_per_batch, packing=self._packing,
             seed=self._seed, first_batch=self._slice.start or 0,
-            batch_step=self._slice.step or 1))
+            batch_step=self._slice.step or 1,
+            **({"allocate": _shared_zeros} if self._shared_memory else {})))
 
     def __str__(self) -> str:
         return (f"PackedBatchDataset(rows_per_batch={self._rows_per_batch}, "
                 f"packing={self._packing}, slice={self._slice})")
+
+
+def _shared_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    return SharedMemoryArray(shape, np.int32)  # a new shared memory block reads as zeros
 
 
 class PackedBatchIterator(grain.DatasetIterator):

@@ -16,6 +16,7 @@ checkpointable position. Nothing here imports grain (``gemmalab.grain_batches`` 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +25,14 @@ if TYPE_CHECKING:
     from gemmalab.data import WindowSource
 
 Batch = dict[str, np.ndarray]
+# Makes a zero-filled int32 array of a shape: np.zeros, or one in shared memory for grain's
+# worker processes (gemmalab.grain_batches).
+Allocate = Callable[[tuple[int, ...]], np.ndarray]
+FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+
+
+def _zeros(shape: tuple[int, ...]) -> np.ndarray:
+    return np.zeros(shape, np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,10 +140,11 @@ def _best_fit_decreasing(lengths_desc: np.ndarray, maxlen: int) -> tuple[np.ndar
     return row_of, num_rows
 
 
-def assemble_rows(windows: WindowSource, per_row: np.ndarray, window_ids: np.ndarray) -> Batch:
+def assemble_rows(windows: WindowSource, per_row: np.ndarray, window_ids: np.ndarray,
+                  allocate: Allocate = _zeros) -> Batch:
     """Rows (``per_row[r]`` consecutive windows of ``window_ids`` each) as int32
-    [rows, maxlen] arrays: tokens, targets, segment ids 1..k, positions within each segment
-    and the loss mask; zeros after the last window of a row.
+    [rows, maxlen] arrays (made by ``allocate``): tokens, targets, segment ids 1..k, positions
+    within each segment and the loss mask; zeros after the last window of a row.
 
     Every window is a contiguous run of the cache and a row's windows sit back to back from
     its first position, so the real positions of all rows, in row-major order, are the
@@ -164,8 +174,8 @@ def assemble_rows(windows: WindowSource, per_row: np.ndarray, window_ids: np.nda
     mask = split.loss_mask
     fields["loss_mask"] = 1 if mask is None else np.take(mask, src + 1)
     batch = {}
-    for name in ("tokens", "targets", "segment_ids", "positions", "loss_mask"):
-        out = np.zeros((num_rows, maxlen), np.int32)
+    for name in FIELDS:
+        out = allocate((num_rows, maxlen))
         out[real] = fields[name]
         batch[name] = out
     return batch
@@ -183,10 +193,10 @@ class BatchStream:
     """
 
     def __init__(self, windows: WindowSource, *, rows_per_batch: int, packing: bool, seed: int,
-                 first_batch: int = 0, batch_step: int = 1):
+                 first_batch: int = 0, batch_step: int = 1, allocate: Allocate = _zeros):
         if len(windows) == 0:
             raise ValueError("no windows to make rows of")
-        self.windows, self.rows_per_batch = windows, rows_per_batch
+        self.windows, self.rows_per_batch, self.allocate = windows, rows_per_batch, allocate
         self.packing, self.seed, self.batch_step = packing, seed, batch_step
         self.lengths = (windows.end - windows.start - 1).astype(np.int64)
         self._plans: dict[int, RowPlan] = {}
@@ -228,4 +238,4 @@ class BatchStream:
                                (np.concatenate([p[0] for p in pieces]),
                                 np.concatenate([p[1] for p in pieces])))
         self._take((self.batch_step - 1) * self.rows_per_batch)  # other workers' batches
-        return assemble_rows(self.windows, per_row, window_ids)
+        return assemble_rows(self.windows, per_row, window_ids, self.allocate)

@@ -63,12 +63,42 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
     return causal[None] & same & real
 
 
+@jax.custom_vjp
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``[..., V]`` logits (any float dtype), ``[...]`` ids -> fp32 negative log-likelihoods.
+
+    The log-sum-exp runs in fp32 whatever the logits' dtype; unlike autodiff through a
+    log-softmax, the backward pass keeps only the logits (in their own dtype) and one fp32
+    log-sum-exp per token, and writes the logits' gradient straight in their dtype: no fp32
+    ``[tokens, V]`` copies in memory (the loss's share of a small model's step on CPU).
+    """
+    return _token_nll_forward(logits, targets)[0]
+
+
+def _token_nll_forward(logits: jax.Array, targets: jax.Array
+                       ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    wide = logits.astype(jnp.float32)
+    logsumexp = jax.nn.logsumexp(wide, axis=-1)
+    picked = jnp.take_along_axis(wide, targets[..., None], axis=-1)[..., 0]
+    return logsumexp - picked, (logits, targets, logsumexp)
+
+
+def _token_nll_backward(residuals: tuple[jax.Array, jax.Array, jax.Array], cotangent: jax.Array
+                        ) -> tuple[jax.Array, None]:
+    logits, targets, logsumexp = residuals
+    probs = jnp.exp(logits.astype(jnp.float32) - logsumexp[..., None])
+    onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
+    return ((probs - onehot) * cotangent[..., None]).astype(logits.dtype), None
+
+
+token_nll.defvjp(_token_nll_forward, _token_nll_backward)
+
+
 def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array
                          ) -> tuple[jax.Array, jax.Array]:
     """Sum of next-token NLL over ``mask`` positions, and how many there are (fp32)."""
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     mask = mask.astype(jnp.float32)
-    return jnp.sum(nll * mask), jnp.sum(mask)
+    return jnp.sum(token_nll(logits, targets) * mask), jnp.sum(mask)
 
 
 def cast_params(params: Any, dtype: Any) -> Any:

@@ -449,3 +449,43 @@ def test_a_cached_split_pickles_as_its_file_names(tmp_path):
     assert isinstance(again.split.tokens, np.memmap)
     np.testing.assert_array_equal(again.split.tokens, tokens)
     np.testing.assert_array_equal(again.start, data.WindowSource(split, 16).start)
+
+
+def test_grain_worker_processes_hand_over_the_same_batches_through_shared_memory():
+    """Under ``mp_prefetch`` the workers build batches in shared memory (their arrays cross as
+    names, not bytes): the stream is the one a single process makes, and so is its position."""
+    import grain
+    from absl import flags
+    from grain.multiprocessing import SharedMemoryArray
+
+    from gemmalab.grain_batches import PackedBatchDataset
+
+    flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags; pytest parsed none
+    windows = data.WindowSource(_mixed_split("chat"), maxlen=16)
+    dataset = PackedBatchDataset(windows, rows_per_batch=5, packing=True, seed=3)
+    whole = iter(dataset)
+    expected = [next(whole) for _ in range(8)]
+    in_workers = PackedBatchDataset(windows, rows_per_batch=5, packing=True, seed=3)
+    in_workers.enable_shared_memory_output()  # what mp_prefetch does in each worker
+    built = next(iter(in_workers))
+    for name in data.BATCH_FIELDS:
+        assert isinstance(built[name], SharedMemoryArray)
+        built[name].unlink_on_del()
+        np.testing.assert_array_equal(built[name], expected[0][name])
+    options = grain.multiprocessing.MultiprocessingOptions(num_workers=2,
+                                                           per_worker_buffer_size=2)
+    workers = iter(dataset.mp_prefetch(options))
+    try:
+        for b, want in enumerate(expected[:4]):
+            got = next(workers)
+            for name in data.BATCH_FIELDS:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} {b}")
+        state = workers.get_state()
+    finally:
+        workers.close()
+    resumed = iter(dataset.mp_prefetch(options))
+    try:
+        resumed.set_state(state)
+        np.testing.assert_array_equal(next(resumed)["targets"], expected[4]["targets"])
+    finally:
+        resumed.close()

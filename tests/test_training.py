@@ -31,6 +31,27 @@ def test_masked_positions_contribute_nothing():
     assert changed == pytest.approx(reference)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_token_nll_gradient_is_softmax_minus_onehot_in_the_logits_dtype(dtype):
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(3, 4, 9)) * 4, dtype)
+    targets = jnp.asarray(rng.integers(0, 9, size=(3, 4)))
+    weights = jnp.asarray(rng.random((3, 4)), jnp.float32)
+    value, grad = jax.value_and_grad(
+        lambda x: jnp.sum(training.token_nll(x, targets) * weights))(logits)
+    wide = np.asarray(logits, np.float64)
+    log_probs = wide - np.log(np.exp(wide).sum(-1, keepdims=True))
+    onehot = np.eye(9)[np.asarray(targets)]
+    expected_value = -(np.take_along_axis(log_probs, np.asarray(targets)[..., None], -1)[..., 0]
+                       * np.asarray(weights)).sum()
+    expected_grad = (np.exp(log_probs) - onehot) * np.asarray(weights)[..., None]
+    assert grad.dtype == dtype
+    # fp32 arithmetic inside either way; a bf16 gradient is rounded to bf16's 8 bits.
+    tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert float(value) == pytest.approx(expected_value, rel=1e-5)
+    np.testing.assert_allclose(np.asarray(grad, np.float64), expected_grad, atol=tolerance)
+
+
 def test_attention_mask_is_causal_within_segments_and_empty_for_padding():
     segments = jnp.asarray([[1, 1, 2, 2, 0]])
     expected = np.array([
