@@ -43,7 +43,7 @@ from gemmalab.chat import Conversation
 from gemmalab.config import EMBEDDED_INSTRUCTIONS
 from gemmalab.corpus import SEPARATOR
 from gemmalab.errors import ConfigError
-from gemmalab.packing import assemble_rows, plan_rows
+from gemmalab.packing import FIELDS, Batch, assemble_rows, plan_rows
 from gemmalab.tokenizer import (
     TokenizerInfo,
     encode_conversations,
@@ -58,8 +58,7 @@ STORIES_PER_TASK = 256
 MAX_TOKENIZE_WORKERS = 32  # TPU hosts have 100+ vCPUs; beyond this, reading the file is the limit
 # Every row: int32 [rows, maxlen] of each. ``loss_mask`` marks the targets that bear loss (never
 # padding; for chat data only the model's turns unless train_on_prompt).
-BATCH_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
-Batch = dict[str, np.ndarray]
+BATCH_FIELDS = FIELDS
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,11 +24,12 @@ import numpy as np
 if TYPE_CHECKING:
     from gemmalab.data import WindowSource
 
+# A batch's fields (gemmalab.data.BATCH_FIELDS), each int32 [rows, maxlen].
+FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 Batch = dict[str, np.ndarray]
 # Makes a zero-filled int32 array of a shape: np.zeros, or one in shared memory for grain's
 # worker processes (gemmalab.grain_batches).
 Allocate = Callable[[tuple[int, ...]], np.ndarray]
-FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
 
 def _zeros(shape: tuple[int, ...]) -> np.ndarray:
