@@ -185,14 +185,51 @@ def test_chunked_loss_equals_the_full_loss_and_its_gradient(softcap):
         total, _ = training.masked_cross_entropy(logits, targets, mask)
         return total
 
-    def chunked(h, e):  # 7 tokens per chunk: 5 chunks, the last one padded
+    def chunked(h, e):  # 2 positions of the 3 rows per chunk: 5 chunks
         return training.chunked_cross_entropy(h, e, targets, mask, softcap=softcap,
                                               max_logits=7 * 50)[0]
 
-    assert float(chunked(hidden, table)) == pytest.approx(float(full(hidden, table)), rel=1e-5)
-    for a, b in zip(jax.grad(chunked, (0, 1))(hidden, table), jax.grad(full, (0, 1))(hidden, table),
-                    strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    def padded(h, e):  # 3 positions per chunk: 4 chunks, the last one padded
+        return training.chunked_cross_entropy(h, e, targets, mask, softcap=softcap,
+                                              max_logits=9 * 50)[0]
+
+    for loss in (chunked, padded):
+        assert float(loss(hidden, table)) == pytest.approx(float(full(hidden, table)), rel=1e-5)
+        for a, b in zip(jax.grad(loss, (0, 1))(hidden, table),
+                        jax.grad(full, (0, 1))(hidden, table), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_chunks_of_the_loss_stay_on_the_devices_of_their_rows():
+    """Under data parallelism each device computes its own rows' logits, chunk after chunk:
+    no hidden state is gathered, and a device's FLOPs are its share of the loss's."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    devices = np.asarray(jax.devices()[:4])
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    rows_sharded = NamedSharding(jax.sharding.Mesh(devices, ("data",)), PartitionSpec("data"))
+    replicated = NamedSharding(rows_sharded.mesh, PartitionSpec())
+    rows, length, dim, vocab = 16, 64, 32, 4096
+
+    def flops(max_logits: int) -> float:
+        def loss(h, e, t, m):
+            return training.chunked_cross_entropy(h, e, t, m, max_logits=max_logits)[0]
+
+        args = (jax.ShapeDtypeStruct((rows, length, dim), jnp.bfloat16, sharding=rows_sharded),
+                jax.ShapeDtypeStruct((vocab, dim), jnp.bfloat16, sharding=replicated),
+                jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=rows_sharded),
+                jax.ShapeDtypeStruct((rows, length), jnp.bool_, sharding=rows_sharded))
+        compiled = jax.jit(jax.grad(loss, (0, 1))).lower(*args).compile()
+        assert "all-gather" not in compiled.as_text()
+        cost = compiled.cost_analysis()
+        return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+    one_chunk = flops(rows * length * vocab)
+    # XLA counts a loop's body once: 8 chunks of 8 positions count an eighth of the work
+    # (plus the recompute), if each device does only its rows' part of each chunk.
+    eight_chunks = flops(rows * 8 * vocab)
+    assert eight_chunks < one_chunk / 4
 
 
 def test_the_loss_never_holds_all_logits():
