@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gemmalab import attention, lora, sharding
-from gemmalab.mesh import batch_sharding, global_batch, replicated
+from gemmalab.mesh import BATCH_AXES, TENSOR_AXIS, batch_sharding, global_batch, replicated
 
 # Largest logits block the loss materialises (elements): 1 GiB in fp32.
 LOSS_CHUNK_LOGITS = 1 << 28
@@ -108,9 +109,9 @@ def cast_params(params: Any, dtype: Any) -> Any:
 
 def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array,
                           mask: jax.Array, *, softcap: float | None = None,
-                          max_logits: int) -> tuple[jax.Array, jax.Array]:
+                          max_logits: int, mesh: Any = None) -> tuple[jax.Array, jax.Array]:
     """``masked_cross_entropy`` of the tied-embedding logits of ``[B, L, D]`` hidden states,
-    about ``max_logits`` logits at a time.
+    about ``max_logits`` logits at a time. ``mesh``: the one the batch is split over.
 
     With Gemma's 262k vocabulary the logits of a 128 x 256 batch take 34 GB in fp32; there the
     positions are processed in chunks, and each chunk's logits are recomputed in the backward
@@ -118,7 +119,9 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
     a run of whole rows: the rows stay where the batch sharding put them, so each device
     computes the logits of its own rows. (Chunks of the flattened tokens were whole devices'
     shares: under data parallelism every device gathered and computed each of them, 4x the
-    loss's FLOPs on 4 chips.) When the whole batch's logits fit in one chunk (small
+    loss's FLOPs on 4 chips.) Under fsdp the embedding is gathered whole first (its embed
+    dimension is split over the rows' axis too; left to itself XLA moved the rows instead, and
+    a 1B step took 2.8x the memory). When the whole batch's logits fit in one chunk (small
     vocabularies, small batches) they are kept: recomputing them would cost a third more of
     the loss's FLOPs for no memory saved.
     """
@@ -143,15 +146,23 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
     chunks = (hidden.reshape(rows, count, span, dim).swapaxes(0, 1),
               targets.reshape(rows, count, span).swapaxes(0, 1),
               mask.reshape(rows, count, span).swapaxes(0, 1))
+    if mesh is not None:
+        chunks = jax.lax.with_sharding_constraint(
+            chunks, NamedSharding(mesh, PartitionSpec(None, BATCH_AXES)))
+        tensor = mesh.shape.get(TENSOR_AXIS, 1)
+        vocab_axis = TENSOR_AXIS if tensor > 1 and vocab % tensor == 0 else None
+        embedding = jax.lax.with_sharding_constraint(
+            embedding, NamedSharding(mesh, PartitionSpec(vocab_axis, None)))
     totals, counts = jax.lax.map(jax.checkpoint(one_chunk), chunks)
     return jnp.sum(totals), jnp.sum(counts)
 
 
 def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
-                 frozen: Any = None) -> tuple[jax.Array, jax.Array]:
+                 frozen: Any = None, mesh: Any = None) -> tuple[jax.Array, jax.Array]:
     """Sum of masked next-token NLL over the batch, and the number of loss-bearing targets.
 
-    ``frozen``: the base weights a LoRA model's adapters (``params``) are joined to.
+    ``frozen``: the base weights a LoRA model's adapters (``params``) are joined to. ``mesh``:
+    the one the batch is split over (None: let XLA place the loss's chunks).
     """
     params = cast_params(params, compute_dtype)
     if frozen is not None:
@@ -165,7 +176,7 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
     return chunked_cross_entropy(output.hidden_states, params["embedder"]["input_embedding"],
                                  batch["targets"], batch["loss_mask"] > 0,
                                  softcap=model.config.final_logit_softcap,
-                                 max_logits=LOSS_CHUNK_LOGITS)
+                                 max_logits=LOSS_CHUNK_LOGITS, mesh=mesh)
 
 
 def make_train_step(model: Any, optimizer: optax.GradientTransformation,
@@ -212,7 +223,7 @@ def summed_gradients(model: Any, params: Any, batch: dict[str, jax.Array], compu
                      ) -> tuple[tuple[jax.Array, jax.Array], Any]:
     """``((sum of NLL, loss-bearing targets), gradient of the sum)`` over ``micro_batches``."""
     value_and_grad = jax.value_and_grad(
-        lambda p, b: forward_loss(model, p, b, compute_dtype, frozen), has_aux=True)
+        lambda p, b: forward_loss(model, p, b, compute_dtype, frozen, mesh), has_aux=True)
     if micro_batches == 1:
         return value_and_grad(params, batch)
     # Micro-batch j takes rows j, j + n, j + 2n, ...: every device keeps working on its own rows.
@@ -238,7 +249,7 @@ def make_eval_step(model: Any, compute_dtype: Any, mesh: Any, params_shardings: 
     (``frozen``: LoRA's base weights, or None)."""
     def step(params: Any, batch: dict[str, jax.Array], frozen: Any
              ) -> tuple[jax.Array, jax.Array]:
-        return forward_loss(model, params, batch, compute_dtype, frozen)
+        return forward_loss(model, params, batch, compute_dtype, frozen, mesh)
 
     return jax.jit(step, in_shardings=(params_shardings, batch_sharding(mesh), frozen_shardings),
                    out_shardings=replicated(mesh))

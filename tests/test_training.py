@@ -232,6 +232,38 @@ def test_chunks_of_the_loss_stay_on_the_devices_of_their_rows():
     assert eight_chunks < one_chunk / 4
 
 
+def test_the_loss_under_fsdp_gathers_the_embedding_and_keeps_its_numbers():
+    """With the mesh, the chunks are pinned to the rows' devices and the embedding (its embed
+    dimension split by fsdp) gathered first: the same loss and gradients as without."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    device_mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2, 1),
+                                    ("data", "fsdp", "tensor"))
+    rng = np.random.default_rng(2)
+    rows, length, dim, vocab = 8, 12, 16, 64
+    rows_sharded = NamedSharding(device_mesh, PartitionSpec(("data", "fsdp")))
+    hidden = jax.device_put(jnp.asarray(rng.normal(size=(rows, length, dim)), jnp.float32),
+                            rows_sharded)
+    table = jax.device_put(jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32),
+                           NamedSharding(device_mesh, PartitionSpec("tensor", "fsdp")))
+    targets = jax.device_put(jnp.asarray(rng.integers(0, vocab, size=(rows, length))),
+                             rows_sharded)
+    mask = jax.device_put(jnp.asarray(rng.random((rows, length)) > 0.2), rows_sharded)
+
+    def loss(h, e, mesh):  # 5 positions per chunk: 3 chunks, the last one padded
+        return training.chunked_cross_entropy(h, e, targets, mask, max_logits=rows * 5 * vocab,
+                                              mesh=mesh)[0]
+
+    placed = jax.jit(jax.value_and_grad(lambda h, e: loss(h, e, device_mesh), (0, 1)))
+    free = jax.jit(jax.value_and_grad(lambda h, e: loss(h, e, None), (0, 1)))
+    (value, grads), (expected, expected_grads) = placed(hidden, table), free(hidden, table)
+    assert float(value) == pytest.approx(float(expected), rel=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_the_loss_never_holds_all_logits():
     """Chunking saves at least one fp32 copy of the batch's logits in the compiled step."""
     vocab, rows, maxlen = 32_768, 8, 256
