@@ -40,7 +40,16 @@ def rule_name(path: tuple[Any, ...]) -> str:
 
 
 def weight_spec(path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    axes = RULES[rule_name(path)]
+    return _spec(RULES[rule_name(path)], shape, mesh)
+
+
+def gathered_spec(rule: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """A weight's spec with fsdp's split undone: the weight whole on each device, bar the
+    tensor axis (e.g. the embedding as the loss reads it, ``training.chunked_cross_entropy``)."""
+    return _spec(tuple(None if axis == "fsdp" else axis for axis in RULES[rule]), shape, mesh)
+
+
+def _spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     spec = [axis if axis is not None and dim % mesh.shape[axis] == 0 and mesh.shape[axis] > 1
             else None for axis, dim in zip(axes, shape, strict=False)]
     return PartitionSpec(*spec)

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemmalab import attention, lora, sharding
-from gemmalab.mesh import BATCH_AXES, TENSOR_AXIS, batch_sharding, global_batch, replicated
+from gemmalab.mesh import BATCH_AXES, batch_sharding, global_batch, replicated
 
 # Largest logits block the loss materialises (elements): 1 GiB in fp32.
 LOSS_CHUNK_LOGITS = 1 << 28
@@ -149,10 +149,8 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
     if mesh is not None:
         chunks = jax.lax.with_sharding_constraint(
             chunks, NamedSharding(mesh, PartitionSpec(None, BATCH_AXES)))
-        tensor = mesh.shape.get(TENSOR_AXIS, 1)
-        vocab_axis = TENSOR_AXIS if tensor > 1 and vocab % tensor == 0 else None
-        embedding = jax.lax.with_sharding_constraint(
-            embedding, NamedSharding(mesh, PartitionSpec(vocab_axis, None)))
+        embedding = jax.lax.with_sharding_constraint(embedding, NamedSharding(
+            mesh, sharding.gathered_spec("input_embedding", embedding.shape, mesh)))
     totals, counts = jax.lax.map(jax.checkpoint(one_chunk), chunks)
     return jnp.sum(totals), jnp.sum(counts)
 
