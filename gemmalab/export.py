@@ -610,11 +610,11 @@ def run_tokenizer(summary: dict[str, Any]) -> str | bytes:
 
     params = summary["params"]
     spec = params["tokenizer"]
-    if spec not in ("local", "gemma3"):
+    if spec not in ("local", "gemma3") and not spec.endswith(".gguf"):
         return spec  # the run was given a .model path
     cache_dir = Path(params.get("cache_dir") or default_cache_dir()).expanduser()
-    if spec == "gemma3":
-        return tokenizer.load_tokenizer("gemma3", cache_dir=cache_dir, training_stories=None,
+    if spec != "local":  # Gemma 3's, or a GGUF's own (rebuilt): the bytes
+        return tokenizer.load_tokenizer(spec, cache_dir=cache_dir, training_stories=None,
                                         vocab_size=0, corpus_fingerprint="")[1].model_proto
     # The local tokenizer is cached under its corpus' fingerprint: resolve the run's corpus.
     corpus = data.resolve_corpus(params["data_path"], cache_dir=cache_dir,

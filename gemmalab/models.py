@@ -9,11 +9,10 @@ import dataclasses
 import enum
 import functools
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gemmalab import attention as attention_lib
-from gemmalab import gemma_lib, storage
+from gemmalab import gemma_lib
 from gemmalab.config import PRESET_NAMES, REMAT_POLICIES
 from gemmalab.errors import ConfigError
 
@@ -233,50 +232,3 @@ def parameter_count(params: Any) -> int:
     import jax
 
     return int(sum(x.size for x in jax.tree.leaves(params)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints to start from.
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedCheckpoint:
-    path: str  # "" = random init
-    name: str
-    format: str = "orbax"  # or "hf": a Hugging Face Gemma 3 safetensors directory (export.py)
-
-
-def resolve_checkpoint(spec: str, preset_name: str) -> ResolvedCheckpoint:
-    """``checkpoint``: a CheckpointPath name, a local or gs:// Orbax directory, a local Hugging
-    Face Gemma 3 directory (config.json + safetensors), or ''."""
-    if not spec:
-        return ResolvedCheckpoint("", "random init")
-    gm = gemma_lib.gm()
-
-    names = [m.name for m in gm.ckpts.CheckpointPath]
-    preset = PRESETS[preset_name]
-    if spec.upper() in names:
-        name = spec.upper()
-        if name not in preset.checkpoints:
-            raise ConfigError("checkpoint", f"{name} does not fit model {preset_name!r}",
-                              f"use one of {list(preset.checkpoints) or ['']} for this model, or "
-                              "change model")
-        path = gm.ckpts.CheckpointPath[name].value
-        storage.require_gcs_credentials("checkpoint", path,
-                                        fix=storage.GCS_FIX + "; or download it and give its path")
-        return ResolvedCheckpoint(path, name)
-    if storage.is_gcs(spec):
-        storage.require_gcs_credentials("checkpoint", spec)
-        return ResolvedCheckpoint(spec, spec)
-    if "/" in spec or Path(spec).exists():
-        if not Path(spec).is_dir():
-            raise ConfigError("checkpoint", f"no Orbax checkpoint directory at {spec}",
-                              "give the directory written by a run (output_dir/params) or "
-                              "a CheckpointPath name")
-        from gemmalab import export
-
-        return ResolvedCheckpoint(str(Path(spec).resolve()), spec,
-                                  "hf" if export.is_hf_dir(spec) else "orbax")
-    gemma3 = [n for n in names if n.startswith("GEMMA3_")]
-    raise ConfigError("checkpoint", f"unknown checkpoint {spec!r}",
-                      f"use a path, '' for random init, or one of {gemma3}")

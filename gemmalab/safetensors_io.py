@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import struct
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,21 +50,43 @@ class Tensor:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def write_file(path: Path, tensors: list[Tensor], metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` into one safetensors file."""
+def write_file(path: Path, tensors: list[Tensor], metadata: dict[str, str] | None = None, *,
+               workers: int = 1, on_tensor: Callable[[], None] | None = None) -> None:
+    """Write ``tensors`` into one safetensors file; ``workers`` threads convert and write
+    tensors side by side (each at its own offset), ``on_tensor`` is called after each."""
     header: dict[str, Any] = {"__metadata__": dict(metadata or METADATA)}
+    offsets = []
     offset = 0
     for tensor in tensors:
         header[tensor.name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape),
                                "data_offsets": [offset, offset + tensor.nbytes]}
+        offsets.append(offset)
         offset += tensor.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the library writes
+    start = 8 + len(encoded)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
-        for tensor in tensors:
-            f.write(_checked_bytes(tensor))
+        if workers <= 1:
+            for tensor in tensors:
+                f.write(_checked_bytes(tensor))
+                if on_tensor:
+                    on_tensor()
+            return
+        f.truncate(start + offset)
+        f.flush()
+
+        def write(tensor: Tensor, at: int) -> None:
+            os.pwrite(f.fileno(), _checked_bytes(tensor), start + at)
+            if on_tensor:
+                on_tensor()
+
+        # Largest first, so the last tensors to finish are small ones.
+        order = sorted(range(len(tensors)), key=lambda i: -tensors[i].nbytes)
+        with ThreadPoolExecutor(workers) as pool:
+            for future in [pool.submit(write, tensors[i], offsets[i]) for i in order]:
+                future.result()
 
 
 def _checked_bytes(tensor: Tensor) -> bytes:

@@ -15,6 +15,11 @@ def is_gcs(path: str | os.PathLike) -> bool:
     return str(path).startswith("gs://")
 
 
+def gcs_credentials_found() -> bool:
+    """Whether Google credentials are set up (gs:// paths may be readable)."""
+    return _gcs_credentials_found()
+
+
 @functools.cache
 def _gcs_credentials_found() -> bool:
     import google.auth

@@ -122,7 +122,9 @@ def load_tokenizer(spec: str, *, cache_dir: Path, training_stories: Iterable[str
     ``training_stories`` is only read (lazily) when a local tokenizer must be trained.
     """
     if spec == "gemma3":
-        return _load_gemma3()
+        return _load_gemma3(cache_dir)
+    if spec.endswith(".gguf"):
+        return _load_gguf_vocabulary(Path(spec), cache_dir, name=spec)
     if spec == "local":
         path = local_tokenizer_path(cache_dir, corpus_fingerprint, vocab_size)
         if not path.exists():
@@ -187,7 +189,14 @@ def _training_lines(stories: Iterable[str]) -> Iterator[str]:
         yield from (line for line in story.split("\n") if line.strip())
 
 
-def _load_gemma3() -> tuple[gm.text.Tokenizer, TokenizerInfo]:
+# The embedded base whose vocabulary is Gemma 3's own (rebuilt from its GGUF; the parity tests
+# in tests/test_gguf_vocab.py): what tokenizer="gemma3" reads where the original is out of reach.
+GEMMA3_OFFLINE_SOURCE = "embedded:gemma3-270m"
+
+
+def _load_gemma3(cache_dir: Path) -> tuple[gm.text.Tokenizer, TokenizerInfo]:
+    """Google's tokenizer_gemma3.model where it can be read (cached, or on gs:// with
+    credentials); offline, the identical vocabulary of the embedded base's GGUF."""
     gm = gemma_lib.gm()
     from gemma.gm.utils import _file_cache
 
@@ -196,15 +205,40 @@ def _load_gemma3() -> tuple[gm.text.Tokenizer, TokenizerInfo]:
     location = str(_file_cache.maybe_get_from_cache(remote_file_path=tok.path,
                                                     cache_subdir="tokenizer"))
     fix = ("put tokenizer_gemma3.model in $GEMMA_CACHE_DIR/tokenizer/ (default ~/.gemma), "
-           "or use tokenizer='local'")
-    if storage.is_gcs(location):
-        storage.require_gcs_credentials("tokenizer", location, fix=fix)
+           "or install the embedded base (make env)")
+    if storage.is_gcs(location) and not storage.gcs_credentials_found():
+        try:
+            from gemmalab.weights import embedded
+
+            path = embedded.gguf_path(GEMMA3_OFFLINE_SOURCE, cache_dir)
+        except ConfigError:
+            storage.require_gcs_credentials("tokenizer", location, fix=fix)
+        return _load_gguf_vocabulary(path, cache_dir,
+                                     name=f"gemma3 (rebuilt from {GEMMA3_OFFLINE_SOURCE})")
     try:
         proto = tok._sp.serialized_model_proto()  # noqa: SLF001 - gemma exposes no public getter
     except Exception as e:  # noqa: BLE001 - any I/O failure gets the same one-line fix
         raise ConfigError("tokenizer", f"could not read {location} ({type(e).__name__})",
                           fix) from None
     return tok, TokenizerInfo(name="gemma3", model_proto=proto, vocab_size=tok.vocab_size)
+
+
+def _load_gguf_vocabulary(path: Path, cache_dir: Path, *, name: str
+                          ) -> tuple[gm.text.Tokenizer, TokenizerInfo]:
+    """A GGUF's vocabulary as its SentencePiece model, rebuilt once and cached by the file's
+    hash (rebuilding parses the file's header: seconds)."""
+    from gemmalab.weights import gguf, gguf_vocab
+
+    if not path.is_file():
+        raise ConfigError("tokenizer", f"no GGUF file at {path}",
+                          "give the .gguf the checkpoint is, or a SentencePiece .model")
+    cached = cache_dir / "tokenizers" / f"gguf-{gguf.file_sha256(path, cache_dir)[:20]}.model"
+    if not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".tmp{os.getpid()}")
+        partial.write_bytes(gguf_vocab.sentencepiece_proto(path))
+        os.replace(partial, cached)
+    return _wrap_file(str(cached), name=name)
 
 
 def _wrap_file(path: str, *, name: str) -> tuple[gm.text.Tokenizer, TokenizerInfo]:

@@ -70,3 +70,23 @@ def test_from_parameters_takes_every_field_among_a_notebooks_variables():
     assert config.maxlen == TrainConfig().maxlen  # not given: the dataclass default
     with pytest.raises(ConfigError, match="^compute_dtype: unknown dtype"):
         TrainConfig.from_parameters({"compute_dtype": "fp8"})
+
+
+def test_the_model_and_tokenizer_follow_the_checkpoint(tmp_path):
+    embedded = TrainConfig(checkpoint="embedded:gemma3-270m")
+    assert (embedded.model, embedded.tokenizer) == ("gemma3-270m", "gemma3")
+    assert TrainConfig(checkpoint="GEMMA3_1B_PT").model == "gemma3-1b"
+    assert TrainConfig().model == "gemma3-tiny" and TrainConfig().tokenizer == "local"
+    gguf_file = str(tmp_path / "model.gguf")
+    assert TrainConfig(model="gemma3-270m", checkpoint=gguf_file).tokenizer == gguf_file
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.model").write_bytes(b"")
+    assert TrainConfig(model="gemma3-270m", checkpoint=str(tmp_path / "hf")).tokenizer == \
+        str(tmp_path / "hf" / "tokenizer.model")
+
+
+def test_a_local_tokenizer_with_a_pretrained_checkpoint_is_refused():
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(checkpoint="embedded:gemma3-270m", tokenizer="local")
+    assert str(error.value).startswith("tokenizer: a tokenizer trained on the corpus")
+    assert "\n" not in str(error.value)

@@ -291,9 +291,11 @@ def test_an_hf_directory_is_a_checkpoint_of_a_run(tiny, sp_model, tmp_path):
 
     config, params = tiny
     export.export_hf(params, config, sp_model, tmp_path / "hf", dtype="float32")
-    resolved = models.resolve_checkpoint(str(tmp_path / "hf"), "gemma3-tiny")
+    from gemmalab.weights import sources
+
+    resolved = sources.resolve(str(tmp_path / "hf"), "gemma3-tiny", tmp_path)
     assert resolved.format == "hf"
-    assert models.resolve_checkpoint(str(tmp_path), "gemma3-tiny").format == "orbax"
+    assert sources.resolve(str(tmp_path), "gemma3-tiny", tmp_path).format == "orbax"
     device_mesh = mesh.make_mesh({"fsdp": -1})
     run_config = TrainConfig(model="gemma3-tiny", checkpoint=str(tmp_path / "hf"))
 
