@@ -18,6 +18,7 @@ from gemmalab import (
     gemma_lib,
     mesh,
     models,
+    plan,
     reports,
     sampling,
     sharding,
@@ -28,7 +29,8 @@ from gemmalab.chat import Conversation
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.experiment import PreparedData, prepare_data
-from gemmalab.task_metric import fact_share, task_score
+from gemmalab.task_metric import Reply, judge, score_summary
+from gemmalab.weights import sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +71,16 @@ def finetuned_params(run: Run) -> Contender:
 
 
 def base_params(run: Run, checkpoint: str = "run") -> Contender:
-    """The weights the run started from (``"run"``), or any other checkpoint spec ('' = init)."""
+    """The weights the run started from (``"run"``), or any other checkpoint spec ('' = init),
+    in any format the run's ``checkpoint`` takes (``gemmalab.weights.sources``)."""
     spec = run.config.checkpoint if checkpoint == "run" else checkpoint
-    resolved = models.resolve_checkpoint(spec, run.config.model)
+    resolved = sources.resolve(spec, run.config.model, run.config.resolved_cache_dir)
     if not resolved.path:
         params = models.init_params(run.model, seed=run.config.seed,
                                     sample_length=run.config.maxlen)
         return Contender("base (random init)", params)
-    multimodal = models.PRESETS[run.config.model].multimodal
-    params = checkpoints.load_params(resolved.path, text_only=multimodal)
+    target = plan.abstract_params(run.model.config, run.config.param_dtype)
+    params = sources.load(resolved, target, text_only=models.PRESETS[run.config.model].multimodal)
     return Contender(f"base ({resolved.name})", params)
 
 
@@ -132,8 +135,10 @@ def chat_replies(run: Run, contender: Contender, prompts: list[str], *, max_new_
 
 @dataclasses.dataclass(frozen=True)
 class TaskResult:
-    scores: Any  # pandas: per contender, the share of instructions followed and of facts found
-    replies: reports.SamplesView  # every reply, side by side (frame: instruction x contender)
+    # pandas, per contender: the shares of task_metric.SCORE_COLUMNS (instructions followed,
+    # facts found, ended by itself, looped)
+    scores: Any
+    replies: reports.SamplesView  # every reply and its verdict (frame: instruction x contender)
 
 
 def task_instructions(run: Run, count: int) -> list[Conversation]:
@@ -148,28 +153,56 @@ def task_instructions(run: Run, count: int) -> list[Conversation]:
 def task_metric(run: Run, contenders: list[Contender], instructions: list[Conversation], *,
                 max_new_tokens: int, seed: int = 0) -> TaskResult:
     """Greedy replies (chat template, stop at ``<end_of_turn>``) to held-out instructions by each
-    contender, scored by ``task_metric.task_score``."""
+    contender, judged by ``gemmalab.task_metric``: facts stated in the reply's own words (not
+    copied from the instruction), ended by itself, no loop."""
     import pandas as pd
 
     prompts = [chat.prompt_text(c.prompt_turns) for c in instructions]
-    facts = [c.facts for c in instructions]
-    compute = jnp.dtype(run.config.compute_dtype)
-    scores, replies, labels, columns = [], [], [], {}
+    asked = [instruction_text(c) for c in instructions]
+    facts = [c.facts or {} for c in instructions]
+    scores, continuations, labels, columns = [], [], [], {}
     for contender in contenders:
-        produced = sampling.continue_prompts(run.model, contender.params, run.data.tokenizer,
-                                             prompts, max_new_tokens=max_new_tokens,
-                                             compute_dtype=compute, seed=seed)
-        texts = [c.text for c in produced]
-        scores.append({"model": contender.name,
-                       "instructions followed": task_score(texts, facts),
-                       "facts found": fact_share(texts, facts)})
-        replies += produced
+        produced = greedy_replies(run, contender, prompts, max_new_tokens=max_new_tokens,
+                                  seed=seed)
+        replies = [Reply(c.text, prompt=a, ended=ended)
+                   for (c, ended), a in zip(produced, asked, strict=True)]
+        scores.append({"model": contender.name, **score_summary(replies, facts)})
+        continuations += [c for c, _ in produced]
         labels += [contender.name] * len(produced)
-        columns[contender.name] = texts
+        columns[contender.name] = [r.text for r in replies]
+        columns[f"{contender.name}: verdict"] = [
+            judge(r, f).describe() for r, f in zip(replies, facts, strict=True)]
     frame = pd.DataFrame({"instruction": [c.prompt_turns[-1][1] for c in instructions],
                           "facts": [", ".join(f.values()) for f in facts], **columns})
     table = pd.DataFrame(scores).set_index("model")
-    return TaskResult(table, reports.SamplesView(tuple(replies), tuple(labels), frame))
+    return TaskResult(table, reports.SamplesView(tuple(continuations), tuple(labels), frame))
+
+
+def instruction_text(conversation: Conversation) -> str:
+    """What the model was told (turn contents, no template markers): the text a reply must not
+    copy its facts from."""
+    return "\n".join(content for _, content in conversation.prompt_turns)
+
+
+def greedy_replies(run: Run, contender: Contender, prompts: list[str], *, max_new_tokens: int,
+                   seed: int = 0) -> list[tuple[sampling.Continuation, bool]]:
+    """Greedy continuations of ``prompts``, each with whether the model ended it itself (an
+    end-of-turn/EOS token) rather than running to ``max_new_tokens``.
+
+    gemma's sampler knows that (``state.done``); ``sampling.continue_prompts`` does not pass it
+    on, hence this call of its own.
+    """
+    gm = gemma_lib.gm()
+    params = training.cast_params(contender.params, run.config.compute_dtype)
+    sampler = gm.text.Sampler(model=run.model, params=params, tokenizer=run.data.tokenizer,
+                              sampling=sampling.sampling_method(0.0, 1.0),
+                              cache_length=sampling.SAMPLER_CACHE_LENGTH,
+                              max_out_length=max_new_tokens)
+    output = sampler.sample(list(prompts), max_new_tokens=max_new_tokens, rng=seed,
+                            return_state=True)
+    ended = [bool(done) for done in jax.device_get(output.state.done)]
+    return [(sampling.Continuation(prompt, text), stopped)
+            for prompt, text, stopped in zip(prompts, output.text, ended, strict=True)]
 
 
 def perplexity_table(run: Run, contenders: list[Contender]) -> Any:

@@ -24,6 +24,7 @@ EMBEDDED_INSTRUCTIONS = "embedded:instructions"
 # with the preset each one is.
 EMBEDDED_BASES = {"embedded:gemma3-270m": "gemma3-270m"}
 DEFAULT_MODEL = "gemma3-tiny"
+CHAT_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 # Which projections LoRA adapts (gemmalab.lora): attention's q/kv/output, the MLP's, or both.
 LORA_MODULES = ("attention", "mlp", "all")
 # How attention is computed (gemmalab.attention): gemma's own, jax.nn.dot_product_attention
@@ -101,6 +102,11 @@ class TrainConfig:
     lora_rank: int = 0
     lora_alpha: float | None = None  # None = lora_rank (scale 1)
     lora_modules: str = "all"  # "attention" | "mlp" | "all"
+    # Embedding rows trained beside the adapters (PEFT's trainable_token_indices), as token
+    # pieces, e.g. ["<end_of_turn>"]. None: the chat turn tokens (CHAT_TURN_TOKENS) when LoRA
+    # fine-tunes a pretrained checkpoint on chat data (its turn tokens are barely trained and
+    # LoRA alone never changes an embedding: replies would not end), else none.
+    lora_train_tokens: list[str] | None = None
 
     # Devices: axis name -> size over data / fsdp / tensor, -1 = the rest (gemmalab.mesh).
     # None = {"data": -1}: every device data-parallel, weights replicated.
@@ -131,6 +137,11 @@ class TrainConfig:
         require(not (self.checkpoint and self.tokenizer == "local"), "tokenizer",
                 "a tokenizer trained on the corpus cannot read a pretrained checkpoint's "
                 "embeddings", "leave tokenizer unset (None: the checkpoint's own) or use 'gemma3'")
+        if self.lora_train_tokens is not None:  # a list, as papermill and JSON give it
+            object.__setattr__(self, "lora_train_tokens", list(self.lora_train_tokens))
+            require(all(isinstance(t, str) and t for t in self.lora_train_tokens),
+                    "lora_train_tokens", f"{self.lora_train_tokens!r} is not a list of pieces",
+                    "give token pieces such as ['<end_of_turn>'], [] for none, or None")
         if self.batch_size is None:  # resolved here: everything downstream sees a number
             object.__setattr__(self, "batch_size",
                                DEFAULT_BATCH_SIZES.get(self.model, DEFAULT_BATCH_SIZE))

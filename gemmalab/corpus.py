@@ -18,7 +18,7 @@ import random
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 
-from gemmalab.task_metric import mentions
+from gemmalab.task_metric import Reply, follows, mentions, stem, words
 
 __all__ = [
     "GENERATOR_VERSION",
@@ -1374,55 +1374,298 @@ def generate_stories(num_stories: int, seed: int = 0) -> Iterator[str]:
 # --------------------------------------------------------------------------------------
 
 # Bump whenever the instruction wording or facts change (the stories follow GENERATOR_VERSION).
-INSTRUCTIONS_VERSION = 1
-# Per plot, what the prompt asks for, most specific first: (predicate, {fact: context key}).
-# The first whose facts all appear in the story is used, so every stated fact is in the response.
-_REQUESTS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
-    "lost_toy": (("loses {his} {toyn}", {"toy": "toyn"}),),
-    "new_friend": (("makes a new friend named {friend}", {"friend": "friend"}),),
-    "sharing": (("learns to share {his} {food}", {"food": "food"}),
-                ("learns to share with {his} friend {friend}", {"friend": "friend"}),
-                ("learns to share", {})),
-    "fear": (("learns to be brave", {}),),
-    "trip": (("goes to {place}", {"place": "place"}),),
-    "birthday": (("has a birthday party with a {flavor} cake", {"flavor": "flavor"}),
-                 ("has a birthday party", {})),
-    "helping": (("helps someone", {}),),
-    "rainy_day": (("wants to {indoor} on a rainy day", {"activity": "indoor"}),
-                  ("has fun on a rainy day", {})),
-    "mistake": (("makes a mistake", {}),),
-    "growing": (("grows {plant}", {"plant": "plant"}),),
-    "keep_trying": (("learns to {goal}", {"skill": "goal"}),),
-    "lost_animal": (("helps a lost {animal} find its {ahome}", {"animal": "animal"}),),
-}
+INSTRUCTIONS_VERSION = 2
+
+# A request: (marker, predicates, {fact: value}). It fits a story when the story contains the
+# marker (any of its "|"-separated alternatives; "" always fits), every field it names is known
+# and the story states every fact (``task_metric.mentions``). Predicates are wordings of one
+# request, written to follow "a girl named Mia who ..."; they paraphrase the story rather than
+# quote it, since a reply's words copied from its prompt do not count (``task_metric``).
+_Request = tuple[str, tuple[str, ...], dict[str, str]]
+# Per plot, most specific first: the first that fits is asked for.
+_REQUESTS: dict[str, tuple[_Request, ...]] = {
+    "lost_toy": (
+        ("{friend} came", ("loses {his} {toyn}, and {his} friend {friend} helps {him} find it",
+                           "cannot find {his} {toyn} until {his} friend {friend} helps"),
+         {"toy": "{toyn}", "friend": "{friend}"}),
+        ("{his} {pet}, {petname},", ("loses {his} {toyn}, and {his} {pet} {petname} finds it",),
+         {"toy": "{toyn}", "pet": "{pet}", "pet name": "{petname}"}),
+        ("{His} {par} helped {him} look|{His} {par} came to help",
+         ("loses {his} {toyn} and finds it with help from {his} {par}",),
+         {"toy": "{toyn}", "parent": "{par}"}),
+        ("", ("loses {his} {toyn}", "cannot find {his} {toyn}",
+              "searches the house for {his} missing {toyn}",
+              "loses {his} favorite {toyn} and looks all over for it"), {"toy": "{toyn}"}),
+    ),
+    "new_friend": (
+        ("", ("makes friends with {friend} at {mplace}",
+              "meets a new friend named {friend} at {mplace}",
+              "goes to {mplace} and makes friends with a {fkind} named {friend}"),
+         {"friend": "{friend}", "place": "{mplace}"}),
+        ("", ("makes a new friend named {friend}",
+              "meets a {fkind} called {friend} and they become friends"), {"friend": "{friend}"}),
+    ),
+    "sharing": (
+        ("half of the {food}|the {food} in two",
+         ("learns to share {his} {food} with {friend}",
+          "shares {his} {food} with {his} friend {friend}",
+          "has {a_food} and learns to share it with {friend}"),
+         {"food": "{food}", "friend": "{friend}"}),
+        ("Can I play with it too|Can I have a turn",
+         ("learns to share {his} new {toyn} with {friend}",
+          "lets {his} friend {friend} play with {his} {toyn}",
+          "learns to take turns with {friend} and {his} {toyn}"),
+         {"toy": "{toyn}", "friend": "{friend}"}),
+        ("", ("learns to share with {his} friend {friend}",
+              "learns that sharing with {friend} is more fun"), {"friend": "{friend}"}),
+        ("", ("learns to share", "learns that sharing is caring"), {}),
+    ),
+    "fear": (
+        ("the dark", ("is afraid of the dark", "is scared of the dark at night",
+                      "learns not to be afraid of the dark"), {"fear": "dark"}),
+        ("slide", ("is scared of a tall slide", "is afraid to go down the big slide",
+                   "learns to be brave on the slide"), {"fear": "slide"}),
+        ("water", ("is afraid of the water", "learns to be brave in the water",
+                   "is scared of the water but learns to swim"), {"fear": "water"}),
+        ("barked", ("is scared of the dog next door", "is afraid of a big dog that barks",
+                    "learns that a barking dog can be friendly"), {"fear": "dog"}),
+        ("thunder", ("is afraid of thunder", "is scared of the sound of thunder"),
+         {"fear": "thunder"}),
+        ("school", ("is nervous about {his} first day at school", "is scared to start school",
+                    "is afraid to go to school for the first time"), {"fear": "school"}),
+        ("", ("learns to be brave", "finds out that {he} can be brave"), {}),
+    ),
+    "trip": (
+        ("", ("goes to {place} and sees {sight}", "visits {place}, where {he} sees {sight}"),
+         {"place": "{place}", "sight": "{sight}"}),
+        ("", ("goes to {place}", "takes a trip to {place}", "spends a day at {place}",
+              "visits {place}"), {"place": "{place}"}),
+    ),
+    "birthday": (
+        ("", ("has a birthday party with a {flavor} cake and gets {gift}",
+              "gets a {flavor} cake and {gift} on {his} birthday"),
+         {"flavor": "{flavor}", "gift": "{gift}"}),
+        ("", ("has a birthday party with a {flavor} cake",
+              "gets a {flavor} cake for {his} birthday",
+              "celebrates {his} birthday with a {flavor} cake"), {"flavor": "{flavor}"}),
+        ("", ("gets {gift} for {his} birthday",
+              "has a birthday party and gets {gift} as a present"), {"gift": "{gift}"}),
+        ("", ("has a birthday party", "celebrates {his} birthday"), {}),
+    ),
+    "helping": (
+        ("could not fly", ("takes care of a bird with a hurt wing",
+                           "helps a hurt little bird get better",
+                           "finds a hurt bird and looks after it"), {"animal": "bird"}),
+        ("stuck", ("helps a kitten that is stuck in a tree",
+                   "rescues a little kitten from a tall tree"), {"animal": "kitten"}),
+        ("apples rolled", ("helps an {oldperson} pick up apples that fell on the ground",
+                           "helps an {oldperson} whose apples spill everywhere"),
+         {"person": "{oldperson}", "fruit": "apples"}),
+        ("oranges rolled", ("helps an {oldperson} pick up oranges that fell on the ground",
+                            "helps an {oldperson} whose oranges spill everywhere"),
+         {"person": "{oldperson}", "fruit": "oranges"}),
+        ("knee", ("helps {his} friend {friend}, who falls and hurts {fhis} knee",
+                  "takes care of {his} friend {friend} after a fall"), {"friend": "{friend}"}),
+        ("was very tired|a lot of work to do", ("helps {his} tired {par} around the house",
+                                                "does chores to help {his} {par}"),
+         {"parent": "{par}"}),
+        ("", ("helps someone", "does something kind to help someone"), {}),
+    ),
+    "rainy_day": (
+        ("", ("{indoor_does} on a rainy day", "stays inside on a rainy day and {indoor_does}",
+              "cannot play outside in the rain, so {he} {indoor_does}"),
+         {"activity": "{indoor_fact}"}),
+        ("", ("has fun on a rainy day", "finds something fun to do on a rainy day"), {}),
+    ),
+    "mistake": (
+        ("vase", ("breaks a vase and tells the truth", "breaks a vase by accident and says sorry"),
+         {"thing": "vase"}),
+        ("tower", ("knocks over {friend}'s tower of blocks",
+                   "bumps into the block tower {friend} built and says sorry"),
+         {"friend": "{friend}", "thing": "tower"}),
+        ("juice|milk", ("spills a drink on {friend}'s picture",
+                        "ruins {friend}'s picture by accident and makes a new one"),
+         {"friend": "{friend}", "thing": "picture"}),
+        ("cookie jar|from the jar", ("takes a cookie before dinner and then tells the truth",
+                                     "eats a cookie before dinner and has to own up"),
+         {"food": "cookie"}),
+        ("", ("makes a mistake", "makes a mistake and says sorry"), {}),
+    ),
+    "growing": (
+        ("", ("grows {plant_ask}", "grows {plant_ask} from a tiny seed",
+              "plants a seed and grows {plant_ask}"), {"plant": "{plant_fact}"}),
+    ),
+    "keep_trying": (
+        ("", ("learns how to {skill_ask}", "keeps trying until {he} can {skill_ask}",
+              "wants to {skill_ask} and does not give up"), {"skill": "{skill_fact}"}),
+    ),
+    "lost_animal": (
+        ("", ("helps a lost {animal} find its {ahome}",
+              "helps a little {animal} get back to its {ahome}"),
+         {"animal": "{animal}", "home": "{ahome}"}),
+        ("", ("finds a lost {animal} and takes it home",), {"animal": "{animal}"}),
+    ),
+}  # fmt: skip
+
+# What the story's own choices are called in a prompt (third person) and as a fact.
+_INDOOR_ASKS = {
+    "build a fort": ("builds a blanket fort", "fort"),
+    "bake cookies": ("bakes cookies", "bake cookies"),
+    "paint pictures": ("paints pictures", "paint pictures"),
+    "have a tea party": ("has a pretend tea party", "tea party"),
+    "play hide and seek": ("plays hide and seek", "hide and seek"),
+    "make music": ("makes music", "music"),
+    "do a puzzle": ("does a puzzle", "puzzle"),
+    "put on a puppet show": ("makes a puppet show", "puppet show"),
+}  # fmt: skip
+_PLANT_ASKS = {
+    "a big yellow sunflower": ("a sunflower", "sunflower"),
+    "a pretty red flower": ("a red flower", "red flower"),
+    "a plant full of red tomatoes": ("tomatoes", "tomatoes"),
+    "a tall bean plant": ("a bean plant", "bean plant"),
+    "a little pink flower": ("a pink flower", "pink flower"),
+    "a plant with big orange pumpkins": ("pumpkins", "pumpkins"),
+}  # fmt: skip
+# Keyed by the goal's first word (see _SKILLS).
+_SKILL_ASKS = {
+    "ride": ("ride a bike without training wheels", "ride bike"),
+    "fly": ("fly a kite", "fly kite"),
+    "tie": ("tie {his} own shoes", "tie shoes"),
+    "jump": ("jump rope", "jump rope"),
+    "whistle": ("whistle", "whistle"),
+    "catch": ("catch a ball", "catch ball"),
+    "build": ("build a tower out of blocks", "tower blocks"),
+    "swing": ("swing on {his} own", "swing"),
+}  # fmt: skip
+
+# How a prompt names its hero (never at the start of a sentence).
+_INTROS = ("a {kind} named {name}", "a {kind} called {name}", "{name}, a little {kind},")
 _ASKS = (
-    "Write a story about a {kind} named {name} who {predicate}.",
-    "Tell me a short story about a {kind} named {name} who {predicate}.",
-    "Can you write a story for children about a {kind} named {name} who {predicate}?",
-    "Write a children's story in which a {kind} named {name} {predicate}.",
-)
+    "Write a story about {intro} who {predicate}.",
+    "Tell me a short story about {intro} who {predicate}.",
+    "Can you write a story for children about {intro} who {predicate}?",
+    "Write a children's story in which {intro} {predicate}.",
+    "Please write a bedtime story about {intro} who {predicate}.",
+    "I would like a story about {intro} who {predicate}.",
+    "Could you tell a simple story where {intro} {predicate}?",
+    "Write a short, happy story for kids. It is about {intro} who {predicate}.",
+    "Tell a story for little children about {intro} who {predicate}.",
+    "Make up a story in which {intro} {predicate}.",
+    "I need a story for my class about {intro} who {predicate}.",
+    "Write a simple story that a five-year-old can read, about {intro} who {predicate}.",
+)  # fmt: skip
+# Optional second sentences that ask for one more fact the story states: (marker, wordings,
+# facts), as in _REQUESTS; used in about _EXTRA_SHARE of the prompts whose story allows one.
+_EXTRAS: tuple[_Request, ...] = (
+    ("{friend}", ("{His} friend {friend} should be in the story too.",
+                  "Put {his} friend {friend} in it.", "Include {his} friend {friend}."),
+     {"friend": "{friend}"}),
+    ("a {pet} named {petname}|{his} {pet}, {petname},",
+     ("{He} has a {pet} named {petname}.", "{His} {pet} is called {petname}.",
+      "Give {him} a {pet} called {petname}."), {"pet": "{pet}", "pet name": "{petname}"}),
+    ("to {hobby}.|to {hobby} more", ("{His} favorite thing is to {hobby}.",
+                                     "Say that {he} loves to {hobby}."), {"hobby": "{hobby}"}),
+)  # fmt: skip
+_EXTRA_SHARE = 0.4
+_TRIES = 6  # wordings tried per request before a less specific one
 
 
-def _request(plot: str, story: str, c: _Ctx) -> tuple[str, dict[str, str]]:
-    """The predicate and facts of the most specific request the story fulfils."""
-    for predicate, keys in _REQUESTS[plot]:
-        facts = {fact: c[key] for fact, key in keys.items()}
-        if all(mentions(story, value) for value in facts.values()):
-            return predicate.format_map(c), facts
-    return "has an adventure", {}
+def _instruction_context(plot: str, story: str, c: _Ctx) -> _Ctx:
+    """``c`` plus what prompts need to name the story's choices (see _INDOOR_ASKS ...)."""
+    ctx = dict(c)
+    if plot == "rainy_day":
+        ctx["indoor_does"], ctx["indoor_fact"] = _INDOOR_ASKS[c["indoor"]]
+    elif plot == "growing":
+        ctx["plant_ask"], ctx["plant_fact"] = _PLANT_ASKS[c["plant"]]
+    elif plot == "keep_trying":
+        ask, ctx["skill_fact"] = _SKILL_ASKS[c["goal"].split()[0]]
+        ctx["skill_ask"] = ask.format_map(c)
+    elif plot == "trip":
+        # Longer sights ("a big cake in a window") could only be restated by copying them.
+        sights = [s for s in _TRIPS[c["place"]][1] if f"saw {s}" in story and len(s.split()) <= 4]
+        if sights:
+            ctx["sight"] = sights[0]
+    return ctx
+
+
+def _fill(template: str, ctx: _Ctx) -> str | None:
+    """``template`` with ``ctx``'s fields, or None where it names a field ``ctx`` lacks."""
+    try:
+        return template.format_map(ctx)
+    except KeyError:
+        return None
+
+
+def _fits(request: _Request, story: str, ctx: _Ctx) -> dict[str, str] | None:
+    """The request's facts, if the story has its marker and states them all."""
+    marker, _, facts = request
+    markers = _fill(marker, ctx)
+    if markers is None or (markers and not any(m in story for m in markers.split("|"))):
+        return None
+    values = {}
+    for fact, template in facts.items():
+        value = _fill(template, ctx)
+        if value is None or not mentions(story, value):
+            return None
+        values[fact] = value
+    return values
+
+
+def _prompt(predicate: str, ctx: _Ctx, wording: random.Random) -> str:
+    intro = wording.choice(_INTROS).format_map(ctx)
+    return wording.choice(_ASKS).format(intro=intro, predicate=predicate)
+
+
+def _extra(story: str, ctx: _Ctx, facts: dict[str, str], wording: random.Random
+           ) -> tuple[str, dict[str, str]]:
+    """Maybe a second sentence asking for one more fact the story states ('' if none): one
+    that says something new (no word in common with ``facts``)."""
+    if wording.random() >= _EXTRA_SHARE:
+        return "", {}
+    asked = {stem(w) for value in facts.values() for w in words(value)}
+    fitting = [(e, f) for e in _EXTRAS if (f := _fits(e, story, ctx)) is not None
+               and not asked & {stem(w) for value in f.values() for w in words(value)}]
+    if not fitting:
+        return "", {}
+    (_, sentences, _), more = wording.choice(fitting)
+    return " " + wording.choice(sentences).format_map(ctx), more
+
+
+def _request(plot: str, story: str, c: _Ctx, wording: random.Random
+             ) -> tuple[str, dict[str, str]]:
+    """A prompt for ``story`` and its facts: the most specific request the story fulfils, in a
+    wording the story answers in words of its own (``task_metric.follows``)."""
+    ctx = _instruction_context(plot, story, c)
+    hero = {"name": c["name"], "kind": c["kind"]}
+    for request in _REQUESTS[plot]:
+        facts = _fits(request, story, ctx)
+        if facts is None:
+            continue
+        facts = {**hero, **facts}
+        for _ in range(_TRIES):
+            prompt = _prompt(wording.choice(request[1]).format_map(ctx), ctx, wording)
+            if not _answers(story, prompt, facts):
+                continue
+            extra, more = _extra(story, ctx, facts, wording)
+            if extra and _answers(story, prompt + extra, {**facts, **more}):
+                return prompt + extra, {**facts, **more}
+            return prompt, facts
+    return "Tell me a story about {name}, a {kind}.".format_map(c), hero
+
+
+def _answers(story: str, prompt: str, facts: dict[str, str]) -> bool:
+    return follows(Reply(story, prompt, ended=True), facts)
 
 
 def generate_instructions(num_instructions: int, seed: int = 0) -> Iterator[dict]:
     """Yield ``{"prompt", "response", "facts"}`` records: the stories of
     :func:`generate_stories` with the same arguments, each asked for by a prompt naming facts
-    (name, kind, plus the plot's object, place, ...) that its story contains."""
+    (name, kind, plus the plot's object, place, ...) that its story states in words of its
+    own, so the story itself follows the instruction under ``task_metric``."""
     wording = random.Random(f"instructions-{seed}")  # the stories' own draws stay untouched
     for plot, story, c in _stories_with_context(num_instructions, seed):
-        predicate, facts = _request(plot, story, c)
-        prompt = wording.choice(_ASKS).format(kind=c["kind"], name=c["name"],
-                                              predicate=predicate)
-        yield {"prompt": prompt, "response": story,
-               "facts": {"name": c["name"], "kind": c["kind"], **facts}}
+        prompt, facts = _request(plot, story, c, wording)
+        yield {"prompt": prompt, "response": story, "facts": facts}
 
 
 def write_instructions(path: str | os.PathLike, num_instructions: int, seed: int = 0

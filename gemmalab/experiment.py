@@ -125,14 +125,16 @@ class Experiment:
         evals = data.eval_batches(cache.eval, maxlen=config.maxlen, batch_size=config.batch_size,
                                   packing=config.packing, process_index=jax.process_index(),
                                   process_count=jax.process_count())
-        stats = {**data.data_stats(corpus, cache, windows), "packed_fill": round(fill, 4)}
+        stats = {"tokenizer": info.name, **data.data_stats(corpus, cache, windows),
+                 "packed_fill": round(fill, 4)}
 
         startup["data_s"] = time.perf_counter() - started - startup["checks_s"]
         param_dtype = jnp.dtype(config.param_dtype)
         base_model = models.build_model(model_config, param_dtype=param_dtype, remat=config.remat,
                                         attention=config.attention, mesh=device_mesh)
+        token_ids = trained_token_ids(config, info, chat=corpus.format == data.CHAT)
         model = (lora.wrap(base_model, rank=config.lora_rank, alpha=config.lora_alpha,
-                           modules=config.lora_modules, dtype=param_dtype)
+                           modules=config.lora_modules, dtype=param_dtype, token_ids=token_ids)
                  if config.lora_rank else base_model)
         peak_lr = config.learning_rate or models.default_learning_rate(config.model,
                                                                        lora=config.lora_rank > 0)
@@ -145,7 +147,7 @@ class Experiment:
         saved = checkpoints.TrainCheckpoints(config.output_dir, keep=config.keep_checkpoints)
         start_step, state, shardings = _restored_or_initial_state(
             config, base_model, optimizer, device_mesh, checkpoint, saved, iterator,
-            resume=previous is not None)
+            resume=previous is not None, token_rows=len(token_ids))
         frozen, frozen_shardings = None, None
         if config.lora_rank:
             frozen, frozen_shardings = _frozen_base(config, base_model, checkpoint, device_mesh)
@@ -183,7 +185,8 @@ class Experiment:
             return self.state.params
         return lora.merge(self.frozen_params, self.state.params,
                           lora.scale(self.config.lora_rank, self.config.lora_alpha),
-                          dtype=dtype or jnp.dtype(self.config.param_dtype))
+                          dtype=dtype or jnp.dtype(self.config.param_dtype),
+                          token_ids=lora.token_ids(self.model))
 
     def sample(self, prompts: str | list[str], *, chat: bool | None = None, **kwargs: Any
                ) -> sampling.Continuation | list[sampling.Continuation]:
@@ -372,6 +375,7 @@ class Experiment:
             "startup": self._startup_summary(),
             "num_params": self.num_params,
             "trainable_params": self.trainable_params,
+            "lora_token_ids": list(lora.token_ids(self.model)),
             "peak_host_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
             "mesh": mesh.mesh_shape(self.mesh),
@@ -410,6 +414,25 @@ class Experiment:
         if self.frozen_params is not None:
             checkpoints.save_params(self.state.params, f"{self.config.output_dir}/adapters")
         return path
+
+
+def trained_token_ids(config: TrainConfig, info: Any, *, chat: bool) -> tuple[int, ...]:
+    """The ids of ``lora_train_tokens`` (resolved: the chat turn tokens when LoRA fine-tunes a
+    pretrained checkpoint on chat data); () without LoRA, where every embedding trains."""
+    from gemmalab import tokenizer as tokenizers
+    from gemmalab.config import CHAT_TURN_TOKENS
+
+    if not config.lora_rank:
+        return ()
+    pieces = config.lora_train_tokens
+    if pieces is None:
+        pieces = list(CHAT_TURN_TOKENS) if chat and config.checkpoint else []
+    ids = tokenizers.piece_ids(info, pieces)
+    unknown = [piece for piece, i in zip(pieces, ids, strict=True) if i is None]
+    if unknown:
+        raise ConfigError("lora_train_tokens", f"{unknown} are not pieces of the tokenizer "
+                          f"{info.name}", "name single tokens, e.g. ['<end_of_turn>'], or []")
+    return tuple(sorted(set(ids)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,14 +531,15 @@ def _previous_run(config: TrainConfig) -> dict[str, Any] | None:
 
 def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: Any,
                                device_mesh: Any, checkpoint: sources.ResolvedCheckpoint,
-                               saved: checkpoints.TrainCheckpoints, iterator: Any, *, resume: bool
+                               saved: checkpoints.TrainCheckpoints, iterator: Any, *, resume: bool,
+                               token_rows: int = 0
                                ) -> tuple[int, training.TrainState, training.TrainState]:
     """``(start step, state, its shardings)``: the newest readable checkpoint restored straight
     into its shards (and ``iterator`` moved to its data position), else the initial weights
     (with LoRA: fresh adapters; the base weights are not part of the state)."""
     param_dtype = jnp.dtype(config.param_dtype)
     # The same abstract trees the memory plan traced (cached per model config).
-    expected = (plan.adapter_params(base_model.config, config) if config.lora_rank
+    expected = (plan.adapter_params(base_model.config, config, token_rows) if config.lora_rank
                 else plan.abstract_params(base_model.config, config.param_dtype))
     shardings = training.state_sharding(expected, optimizer, device_mesh)
     abstract = training.abstract_state(expected, optimizer, shardings)
@@ -527,7 +551,8 @@ def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: 
     if config.lora_rank:
         params = lora.init_adapters(base_model.config, rank=config.lora_rank,
                                     modules=config.lora_modules, dtype=config.param_dtype,
-                                    seed=config.seed + 1, shardings=shardings.params)
+                                    seed=config.seed + 1, shardings=shardings.params,
+                                    token_rows=token_rows)
     else:
         params = _initial_params(base_model, checkpoint, config, param_dtype, device_mesh,
                                  expected)

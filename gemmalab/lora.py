@@ -8,6 +8,12 @@ subclasses it to add both. Parameter names stay gemma's (``.../q_einsum/_LoRAEin
 In training the state holds only the adapters (``split``); the base weights are a separate,
 frozen tree in the compute dtype (``join`` puts them back together for the forward pass).
 ``merge`` folds the adapters into an ordinary gemma params tree.
+
+Beside the adapters a few embedding rows may train (PEFT's ``trainable_token_indices``): a
+pretrained base has barely trained its chat-turn tokens, and LoRA alone never changes an
+embedding, so a fine-tuned model could not learn to end its turn. The adapter tree then holds
+``TOKEN_ROWS``: one ``[tokens, embed]`` update added to those rows of the (tied) embedding, zero
+at first; the token ids travel with the wrapped model (``token_ids``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ DELTA_EINSUMS = {
     "linear": "hr,rf->hf",  # '...H,HF->...F'
 }
 _WRAPPER = re.compile(r"_LoRAEinsum_(.+)")
+TOKEN_ROWS = "token_rows"  # the adapter tree's key of the trained embedding rows' update
 
 
 def scale(rank: int, alpha: float | None) -> float:
@@ -39,8 +46,10 @@ def scale(rank: int, alpha: float | None) -> float:
     return 1.0 if alpha is None else alpha / rank
 
 
-def wrap(model: Any, *, rank: int, alpha: float | None, modules: str, dtype: Any) -> Any:
-    """``model`` with LoRA adapters (``dtype``) on its attention, MLP or all projections."""
+def wrap(model: Any, *, rank: int, alpha: float | None, modules: str, dtype: Any,
+         token_ids: tuple[int, ...] = ()) -> Any:
+    """``model`` with LoRA adapters (``dtype``) on its attention, MLP or all projections, and
+    the embedding rows of ``token_ids`` trained beside them."""
     lora_scale = scale(rank, alpha)
     # gemma jit-compiles Transformer.__call__ with the module as a static argument, so its trace
     # is reused for any equal module, whatever interceptor surrounds the call: an equal base
@@ -49,9 +58,14 @@ def wrap(model: Any, *, rank: int, alpha: float | None, modules: str, dtype: Any
     keyed = _keyed_class(type(model))(
         **{f.name: getattr(model, f.name) for f in dataclasses.fields(model)
            if f.init and f.name not in ("parent", "name")},
-        lora_key=(rank, lora_scale, modules, str(dtype)))
+        lora_key=(rank, lora_scale, modules, str(dtype), tuple(token_ids)))
     return _lora_classes()[0](rank=rank, model=keyed, dtype=dtype, scale=lora_scale,
-                              modules=modules)
+                              modules=modules, token_ids=tuple(token_ids))
+
+
+def token_ids(model: Any) -> tuple[int, ...]:
+    """The ids whose embedding rows a LoRA model trains (() for any other model)."""
+    return tuple(getattr(model, "token_ids", ()))
 
 
 @functools.cache
@@ -87,6 +101,7 @@ def _lora_classes() -> tuple[type, type]:
 
         scale: float = 1.0
         modules: str = "all"
+        token_ids: tuple[int, ...] = ()
 
         @nn.compact
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -120,11 +135,26 @@ def split(params: dict) -> tuple[dict, dict]:
     return base, adapters
 
 
-def join(base: dict, adapters: dict) -> dict:
-    """The LoRA model's params from the two trees ``split`` made."""
+def join(base: dict, adapters: dict, token_ids: tuple[int, ...] = ()) -> dict:
+    """The LoRA model's params from the two trees ``split`` made (and the update of the rows of
+    ``token_ids``, when the adapters hold one)."""
     from gemma import peft
 
-    return peft.merge_params(base, adapters)
+    joined = peft.merge_params(base, {k: v for k, v in adapters.items() if k != TOKEN_ROWS})
+    return _with_token_rows(joined, adapters, token_ids)
+
+
+def _with_token_rows(params: dict, adapters: dict, token_ids: tuple[int, ...]) -> dict:
+    import jax.numpy as jnp
+
+    rows = adapters.get(TOKEN_ROWS)
+    if rows is None:
+        return params
+    if rows.shape[0] != len(token_ids):
+        raise ValueError(f"{rows.shape[0]} trained embedding rows for {len(token_ids)} token ids")
+    embedding = params["embedder"]["input_embedding"]
+    updated = embedding.at[jnp.asarray(token_ids)].add(rows.astype(embedding.dtype))
+    return {**params, "embedder": {**params["embedder"], "input_embedding": updated}}
 
 
 def adapted_weights(adapters: dict) -> list[tuple[tuple[str, ...], str, Any, Any]]:
@@ -160,14 +190,24 @@ def delta(module: str, a: Any, b: Any, scale_: float) -> Any:
                                b.astype(jnp.float32))
 
 
-def merge(base: dict, adapters: dict, scale_: float, dtype: Any = None) -> dict:
-    """An ordinary gemma params tree: each adapted weight becomes ``w + scale * a b``.
+def merge(base: dict, adapters: dict, scale_: float, dtype: Any = None,
+          token_ids: tuple[int, ...] = ()) -> dict:
+    """An ordinary gemma params tree: each adapted weight becomes ``w + scale * a b`` (and the
+    rows of ``token_ids`` take their trained update).
 
     ``dtype``: of the merged tree (default: the base weights' own).
     """
     import jax
 
     merged = jax.tree.map(lambda w: w, base)  # a copy of the dict structure
+    if TOKEN_ROWS in adapters:
+        embedding = merged["embedder"]["input_embedding"]
+        rows = {TOKEN_ROWS: adapters[TOKEN_ROWS].astype("float32")}
+        merged = _with_token_rows({**merged, "embedder": {
+            **merged["embedder"], "input_embedding": embedding.astype("float32")}}, rows,
+            token_ids)
+        merged["embedder"]["input_embedding"] = merged["embedder"]["input_embedding"].astype(
+            dtype or embedding.dtype)
     for path, module, a, b in adapted_weights(adapters):
         parent = merged
         for key in path[:-1]:
@@ -180,9 +220,18 @@ def merge(base: dict, adapters: dict, scale_: float, dtype: Any = None) -> dict:
     return merged
 
 
-def abstract_adapters(model_config: Any, *, rank: int, modules: str, dtype: str) -> dict:
-    """The adapters' shapes and dtypes for a model config (traced, nothing allocated)."""
-    return _abstract_adapters(model_config, rank, modules, dtype)
+def abstract_adapters(model_config: Any, *, rank: int, modules: str, dtype: str,
+                      token_rows: int = 0) -> dict:
+    """The adapters' shapes and dtypes for a model config (traced, nothing allocated), with
+    ``token_rows`` trained embedding rows."""
+    import jax
+    import jax.numpy as jnp
+
+    adapters = _abstract_adapters(model_config, rank, modules, dtype)
+    if not token_rows:
+        return adapters
+    rows = jax.ShapeDtypeStruct((token_rows, model_config.embed_dim), jnp.dtype(dtype))
+    return {**adapters, TOKEN_ROWS: rows}
 
 
 @functools.cache
@@ -200,9 +249,9 @@ def _abstract_adapters(model_config: Any, rank: int, modules: str, dtype: str) -
 
 
 def init_adapters(model_config: Any, *, rank: int, modules: str, dtype: str, seed: int,
-                  shardings: Any = None) -> dict:
-    """Fresh adapters: ``a`` drawn (gemma's Kaiming-uniform), ``b`` zeros, so the adapted
-    model starts equal to the base."""
+                  shardings: Any = None, token_rows: int = 0) -> dict:
+    """Fresh adapters: ``a`` drawn (gemma's Kaiming-uniform), ``b`` zeros (and ``token_rows``
+    zero row updates), so the adapted model starts equal to the base."""
     import jax
     import jax.numpy as jnp
 
@@ -211,7 +260,10 @@ def init_adapters(model_config: Any, *, rank: int, modules: str, dtype: str, see
 
     @functools.partial(jax.jit, out_shardings=shardings)
     def draw(key: Any) -> dict:
-        params = model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]
-        return split(params)[1]
+        adapters = split(model.init(key, jnp.zeros((1, 8), jnp.int32))["params"])[1]
+        if token_rows:
+            adapters[TOKEN_ROWS] = jnp.zeros((token_rows, model_config.embed_dim),
+                                             jnp.dtype(dtype))
+        return adapters
 
     return draw(jax.random.key(seed))

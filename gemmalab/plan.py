@@ -249,14 +249,16 @@ def abstract_params(model_config: Any, param_dtype: str) -> Any:
     return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 
-def adapter_params(model_config: Any, config: TrainConfig) -> Any:
-    """A LoRA run's trainable tree (its adapters), abstract; ``{}`` without LoRA."""
+def adapter_params(model_config: Any, config: TrainConfig, token_rows: int = 0) -> Any:
+    """A LoRA run's trainable tree (its adapters and ``token_rows`` embedding rows), abstract;
+    ``{}`` without LoRA."""
     if not config.lora_rank:
         return {}
     from gemmalab import lora
 
     return lora.abstract_adapters(model_config, rank=config.lora_rank,
-                                  modules=config.lora_modules, dtype=config.param_dtype)
+                                  modules=config.lora_modules, dtype=config.param_dtype,
+                                  token_rows=token_rows)
 
 
 def resolved_mesh(config: TrainConfig, chips: int) -> dict[str, int]:

@@ -24,6 +24,7 @@ RULES: dict[str, tuple[str | None, ...]] = {
     "linear": ("tensor", "fsdp"),  # [ffw, embed]
     "scale": (),  # RMS norms: small, replicated
     "lora": (),  # LoRA adapters (gemmalab.lora): rank-r factors, small, replicated
+    "token_rows": (),  # LoRA's trained embedding rows (gemmalab.lora.TOKEN_ROWS): a few, replicated
 }
 
 

@@ -110,6 +110,18 @@ def encode_conversations(conversations: list[Any]) -> list[tuple[np.ndarray, np.
     return [chat.encode(_worker_processor, conversation) for conversation in conversations]
 
 
+def piece_ids(info: TokenizerInfo, pieces: Iterable[str]) -> list[int | None]:
+    """Each piece's id in the vocabulary, None where it is not a single piece."""
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor()
+    processor.LoadFromSerializedProto(info.model_proto)
+    pieces = list(pieces)
+    ids = [processor.PieceToId(piece) for piece in pieces]
+    return [None if i == processor.unk_id() and piece != "<unk>" else i
+            for i, piece in zip(ids, pieces, strict=True)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading.
 

@@ -164,7 +164,7 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
     """
     params = cast_params(params, compute_dtype)
     if frozen is not None:
-        params = lora.join(cast_params(frozen, compute_dtype), params)
+        params = lora.join(cast_params(frozen, compute_dtype), params, lora.token_ids(model))
     # A fused attention kernel takes the segments, not the [B, L, L] mask (gemmalab.attention).
     mask = (attention.segment_starts(batch["segment_ids"]) if attention.kernel_of(model)
             else attention_mask(batch["segment_ids"]))
