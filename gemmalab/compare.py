@@ -160,14 +160,16 @@ def task_metric(run: Run, contenders: list[Contender], instructions: list[Conver
     prompts = [chat.prompt_text(c.prompt_turns) for c in instructions]
     asked = [instruction_text(c) for c in instructions]
     facts = [c.facts or {} for c in instructions]
+    compute = jnp.dtype(run.config.compute_dtype)
     scores, continuations, labels, columns = [], [], [], {}
     for contender in contenders:
-        produced = greedy_replies(run, contender, prompts, max_new_tokens=max_new_tokens,
-                                  seed=seed)
-        replies = [Reply(c.text, prompt=a, ended=ended)
-                   for (c, ended), a in zip(produced, asked, strict=True)]
+        produced = sampling.continue_prompts(run.model, contender.params, run.data.tokenizer,
+                                             prompts, max_new_tokens=max_new_tokens,
+                                             compute_dtype=compute, seed=seed)
+        replies = [Reply(c.text, prompt=a, ended=c.ended)
+                   for c, a in zip(produced, asked, strict=True)]
         scores.append({"model": contender.name, **score_summary(replies, facts)})
-        continuations += [c for c, _ in produced]
+        continuations += produced
         labels += [contender.name] * len(produced)
         columns[contender.name] = [r.text for r in replies]
         columns[f"{contender.name}: verdict"] = [
@@ -182,27 +184,6 @@ def instruction_text(conversation: Conversation) -> str:
     """What the model was told (turn contents, no template markers): the text a reply must not
     copy its facts from."""
     return "\n".join(content for _, content in conversation.prompt_turns)
-
-
-def greedy_replies(run: Run, contender: Contender, prompts: list[str], *, max_new_tokens: int,
-                   seed: int = 0) -> list[tuple[sampling.Continuation, bool]]:
-    """Greedy continuations of ``prompts``, each with whether the model ended it itself (an
-    end-of-turn/EOS token) rather than running to ``max_new_tokens``.
-
-    gemma's sampler knows that (``state.done``); ``sampling.continue_prompts`` does not pass it
-    on, hence this call of its own.
-    """
-    gm = gemma_lib.gm()
-    params = training.cast_params(contender.params, run.config.compute_dtype)
-    sampler = gm.text.Sampler(model=run.model, params=params, tokenizer=run.data.tokenizer,
-                              sampling=sampling.sampling_method(0.0, 1.0),
-                              cache_length=sampling.SAMPLER_CACHE_LENGTH,
-                              max_out_length=max_new_tokens)
-    output = sampler.sample(list(prompts), max_new_tokens=max_new_tokens, rng=seed,
-                            return_state=True)
-    ended = [bool(done) for done in jax.device_get(output.state.done)]
-    return [(sampling.Continuation(prompt, text), stopped)
-            for prompt, text, stopped in zip(prompts, output.text, ended, strict=True)]
 
 
 def perplexity_table(run: Run, contenders: list[Contender]) -> Any:

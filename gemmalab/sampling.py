@@ -32,13 +32,15 @@ class Continuation:
 
     ``decided`` is the prefix of ``text`` made of greedy choices that won by at least the
     decision margin; ``complete`` says that every choice, including where to stop, did.
-    Sampled (temperature > 0) and chat continuations have no decided part.
+    Sampled (temperature > 0) and chat continuations have no decided part. ``ended``: the
+    model stopped by itself (EOS or end of turn), not at ``max_new_tokens``.
     """
 
     prompt: str
     text: str
     decided: str = ""
     complete: bool = False
+    ended: bool = False
 
     def __str__(self) -> str:
         return self.text
@@ -86,13 +88,13 @@ def continue_prompts(model: Any, params: Any, tokenizer: Any, prompts: list[str]
     for prompt, text, row in zip(prompts, output.text, predicted, strict=True):
         generated = _generated_tokens(row, steps, stops)
         text = _restore_leading_space(tokenizer, text, generated)
+        ended = bool(generated) and generated[-1] in stops
         if temperature != 0.0:
-            continuations.append(Continuation(prompt, text))
+            continuations.append(Continuation(prompt, text, ended=ended))
             continue
         margins = greedy_margins(model, params, tokenizer.encode(prompt, add_bos=True), generated)
         continuations.append(_decided(tokenizer, prompt, text, generated, margins,
-                                      stopped=bool(generated) and generated[-1] in stops,
-                                      threshold=decision_margin(_dtype_of(params))))
+                                      stopped=ended, threshold=decision_margin(_dtype_of(params))))
     return continuations
 
 
@@ -184,7 +186,7 @@ def _decided(tokenizer: Any, prompt: str, text: str, generated: list[int], margi
         # Decoding a prefix of the tokens is not always a prefix of the text (a piece may merge
         # with its neighbour); keep only the characters both agree on.
         prefix = os.path.commonprefix([prefix, text])
-    return Continuation(prompt, text, decided=prefix, complete=complete)
+    return Continuation(prompt, text, decided=prefix, complete=complete, ended=stopped)
 
 
 def _dtype_of(params: Any) -> Any:

@@ -2,7 +2,6 @@
 packing, and one short training run on the embedded instruction set."""
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -39,16 +38,6 @@ def local_processor(instructions_file, tmp_path_factory):
     texts = data.training_stories(str(instructions_file), data.SplitRule(0.1, 100), None)
     train_local_tokenizer(texts, path, vocab_size=600)
     return spm.SentencePieceProcessor(model_file=str(path))
-
-
-def _gemma3_tokenizer_file() -> Path | None:
-    """The real Gemma 3 tokenizer, only if it is already cached (never downloaded here)."""
-    root = Path(os.environ.get("GEMMA_CACHE_DIR", Path.home() / ".gemma"))
-    path = root / "tokenizer" / "tokenizer_gemma3.model"
-    if not path.is_file():
-        return None
-    processor = spm.SentencePieceProcessor(model_file=str(path))
-    return path if processor.GetPieceSize() > 106 else None  # not a small stand-in
 
 
 # --- the template --------------------------------------------------------------------------
@@ -95,14 +84,19 @@ def test_ids_use_the_real_special_ids_and_the_mask_covers_model_turns(local_proc
     assert not set(ids[mask == 1].tolist()) & {start, 2}
 
 
-@pytest.mark.skipif(_gemma3_tokenizer_file() is None,
-                    reason="Gemma 3's tokenizer is not cached in $GEMMA_CACHE_DIR/tokenizer "
-                           "(not downloaded by tests)")
-def test_gemma3_tokenizer_ids():
-    processor = spm.SentencePieceProcessor(model_file=str(_gemma3_tokenizer_file()))
+def test_gemma3_tokenizer_ids(cache_dir):
+    """Gemma 3's own vocabulary (the original where cached, else rebuilt from the embedded base's
+    GGUF): the turn tokens are ids 105 and 106, matched as single pieces in the template text."""
+    from gemmalab.tokenizer import load_tokenizer
+
+    _, info = load_tokenizer("gemma3", cache_dir=cache_dir, training_stories=None, vocab_size=0,
+                             corpus_fingerprint="")
+    processor = spm.SentencePieceProcessor()
+    processor.LoadFromSerializedProto(info.model_proto)
     assert chat.turn_token_ids(processor) == (105, 106)
     ids, mask = chat.encode(processor, PAIR)
     assert (ids == 105).sum() == 2 and (ids == 106).sum() == 2
+    assert ids.tolist() == [2, *processor.EncodeAsIds(chat.format_text(PAIR))]
     assert processor.DecodeIds(ids[mask == 1].tolist()) == "Mia had a kite.<end_of_turn>"
 
 

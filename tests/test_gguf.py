@@ -12,7 +12,7 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
 from gemmalab import export, models, plan, safetensors_io
@@ -48,13 +48,17 @@ TINY_SHAPE = {"block_count": 1, "embedding_length": 128, "feed_forward_length": 
               "attention.key_length": 16, "attention.sliding_window": 128}
 
 
-def write_gguf(path, tensors, *, arch="gemma3", general_type="model", metadata=None):
+def write_gguf(path, tensors, *, arch="gemma3", general_type="model", metadata=None,
+               endianess=GGUFEndian.LITTLE, add_fields=None):
     """A GGUF file of ``tensors`` (llama.cpp name -> numpy array in HF order, or ``(raw bytes
-    [rows, row bytes], quant type)``), with the 1-layer tiny shape's metadata."""
-    writer = GGUFWriter(path, arch)
+    [rows, row bytes], quant type)``), with the 1-layer tiny shape's metadata and whatever
+    ``add_fields(writer)`` adds."""
+    writer = GGUFWriter(path, arch, endianess=endianess)
     writer.add_type(general_type)
     for key, value in {**TINY_SHAPE, **(metadata or {})}.items():
         writer.add_uint32(f"{arch}.{key}", value)
+    if add_fields:
+        add_fields(writer)
     for name, value in tensors.items():
         array, raw_dtype = value if isinstance(value, tuple) else (value, None)
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
@@ -399,6 +403,115 @@ def test_converted_gguf_loads_into_gemmas_layout(tiny_model, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# The header reader, against gguf's own GGUFReader.
+
+
+def every_kind_of_field(writer):
+    """One field of each GGUF value type, and arrays of numbers, strings and booleans."""
+    for add, value in ((writer.add_uint8, 200), (writer.add_int8, -100),
+                       (writer.add_uint16, 60_000), (writer.add_int16, -30_000),
+                       (writer.add_uint32, 4_000_000_000), (writer.add_int32, -2_000_000_000),
+                       (writer.add_float32, 0.25), (writer.add_uint64, 2**40 + 1),
+                       (writer.add_int64, -(2**40)), (writer.add_float64, 1 / 3),
+                       (writer.add_bool, True), (writer.add_string, "h\u00e9llo \u2581w")):
+        add(f"test.{add.__name__.removeprefix('add_')}", value)
+    writer.add_array("test.ints", [1, -2, 3])
+    writer.add_array("test.floats", [0.5, -1.5])
+    writer.add_array("test.strings", ["a", "\u2581b", "<start_of_turn>"])
+    writer.add_array("test.bools", [True, False])
+    writer.add_key_value("test.uint64s", [1, 2**40], GGUFValueType.ARRAY,
+                         sub_type=GGUFValueType.UINT64)
+
+
+def tensors_of_every_layout() -> dict:
+    """Float tensors of 1-3 axes, an integer one, and raw blocks of quant types and BF16."""
+    rng = np.random.default_rng(4)
+    q8_0, _ = block_q8_0(rng)
+    q4_k, _ = block_q4_k(rng)
+    bf16, _ = block_bf16(rng)
+    return {"token_embd.weight": embedding(),
+            "blk.0.attn_norm.weight": np.arange(128, dtype=np.float32),
+            "f16": rng.normal(size=(3, 64)).astype(np.float16),
+            "f32_3d": rng.normal(size=(2, 3, 32)).astype(np.float32),
+            "i32": np.arange(-5, 5, dtype=np.int32),
+            "q8_0": (q8_0.reshape(ROWS, -1), Q.Q8_0), "q4_k": (q4_k.reshape(ROWS, -1), Q.Q4_K),
+            "bf16": (bf16.reshape(ROWS, -1), Q.BF16)}
+
+
+def as_lists(value):
+    return [as_lists(v) for v in value] if isinstance(value, tuple) else value
+
+
+@pytest.mark.parametrize("endianess", [GGUFEndian.LITTLE, GGUFEndian.BIG], ids=["le", "be"])
+@pytest.mark.parametrize("alignment", [32, 64])
+def test_read_header_reads_what_gguf_reader_reads(tmp_path, endianess, alignment):
+    def add_fields(writer):
+        every_kind_of_field(writer)
+        if alignment != 32:
+            writer.add_custom_alignment(alignment)
+
+    path = write_gguf(tmp_path / "model.gguf", tensors_of_every_layout(), endianess=endianess,
+                      add_fields=add_fields)
+    header, reader = gguf.read_header(path), GGUFReader(path)
+
+    assert (header.version, header.byte_order) == (3, "<" if endianess == GGUFEndian.LITTLE
+                                                   else ">")
+    assert (header.alignment, header.data_start) == (alignment, reader.data_offset)
+    assert header.data_start % alignment == 0 and header.file_size == path.stat().st_size
+    assert set(header.fields) == {key for key in reader.fields if not key.startswith("GGUF.")}
+    assert {key for key in header.fields if key.startswith("test.")} == {
+        "test.uint8", "test.int8", "test.uint16", "test.int16", "test.uint32", "test.int32",
+        "test.float32", "test.uint64", "test.int64", "test.float64", "test.bool", "test.string",
+        "test.ints", "test.floats", "test.strings", "test.bools", "test.uint64s"}
+    for key, value in header.fields.items():
+        expected = reader.fields[key].contents()
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(value, np.asarray(expected), err_msg=key)
+        else:
+            assert as_lists(value) == expected, key
+
+    assert [t.name for t in header.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(header.tensors, reader.tensors, strict=True):
+        assert ours.dims == tuple(int(n) for n in theirs.shape), ours.name  # ggml's order
+        assert ours.n_dims == len(theirs.shape)
+        assert ours.ggml_type == theirs.tensor_type
+        assert (ours.n_elements, ours.n_bytes) == (theirs.n_elements, theirs.n_bytes)
+        assert header.data_start + ours.offset == theirs.data_offset
+        assert ours.offset % alignment == 0
+        data = header.tensor_data(ours)
+        assert (data.dtype, data.shape) == (theirs.data.dtype, theirs.data.shape), ours.name
+        assert data.tobytes() == theirs.data.tobytes(), ours.name
+        assert np.shares_memory(data, np.frombuffer(header.buffer, np.uint8))  # not copied
+
+
+def test_a_big_endian_file_dequantizes_as_written(tmp_path):
+    values = {"token_embd.weight": embedding(), "output_norm.weight": np.full(128, 1.5, np.float32),
+              "blk.0.ffn_up.weight": np.linspace(-2, 2, 512 * 128).astype(np.float16)
+              .reshape(512, 128)}
+    model = gguf.inspect(write_gguf(tmp_path / "model.gguf", values, endianess=GGUFEndian.BIG))
+    for name, expected in values.items():
+        out = gguf.dequantized(only_tensor(model, name))
+        np.testing.assert_array_equal(out, expected - 1 if name.endswith("norm.weight")
+                                      else expected.astype(np.float32), err_msg=name)
+
+
+def test_read_header_parses_a_file_once_until_it_changes(tmp_path):
+    path = write_gguf(tmp_path / "model.gguf", {"token_embd.weight": embedding()})
+    header = gguf.read_header(path)
+    assert gguf.read_header(path) is header
+    mapped = np.frombuffer(header.buffer, np.uint8)
+    assert np.shares_memory(gguf.inspect(path).tensors[0].data, mapped)  # inspect reads it too
+    with pytest.raises(TypeError):
+        header.fields["general.type"] = "changed"  # shared by every caller: read-only
+
+    write_gguf(path, {"token_embd.weight": embedding()}, metadata={"block_count": 2})
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    changed = gguf.read_header(path)
+    assert changed is not header and changed.field("gemma3.block_count") == 2
+
+
+# ---------------------------------------------------------------------------------------------
 # The file against the model's shape.
 
 
@@ -451,14 +564,49 @@ def test_a_vision_projector_is_refused(tmp_path, arch, general_type):
     assert_checkpoint_error(error, "vision projector (mmproj)", "text model's .gguf")
 
 
-@pytest.mark.parametrize("cut", ["in the last tensor", "in the header"])
-def test_a_truncated_file_is_refused(tmp_path, cut):
+@pytest.mark.parametrize("cut, expected", [
+    ("in the last tensor", "is truncated: tensor token_embd.weight ends past the file's"),
+    ("where the data starts", "is truncated: tensor token_embd.weight ends past the file's"),
+    ("in the header", "is not a readable GGUF file, or it is truncated"),
+])
+def test_a_truncated_file_is_refused(tmp_path, cut, expected):
     path = write_gguf(tmp_path / "model.gguf", {"token_embd.weight": embedding()})
-    size = path.stat().st_size
-    os.truncate(path, size - embedding().nbytes // 2 if cut == "in the last tensor" else 40)
+    sizes = {"in the last tensor": path.stat().st_size - embedding().nbytes // 2,
+             "where the data starts": gguf.read_header(path).data_start, "in the header": 40}
+    os.truncate(path, sizes[cut])
     with pytest.raises(ConfigError) as error:
         gguf.inspect(path)
-    assert_checkpoint_error(error, "truncated", "again")
+    assert_checkpoint_error(error, expected, "again")
+
+
+def set_alignment_48(writer):  # the writer still aligns to 32; the key is what is wrong
+    writer.add_uint32("general.alignment", 48)
+
+
+def set_alignment_as_uint64(writer):
+    writer.add_uint64("general.alignment", 64)
+
+
+@pytest.mark.parametrize("add_fields, problem", [
+    (set_alignment_48, "general.alignment 48 is not a uint32 power of two"),
+    (set_alignment_as_uint64, "general.alignment 64 is not a uint32 power of two"),
+])
+def test_a_bad_alignment_is_refused(tmp_path, add_fields, problem):
+    path = write_gguf(tmp_path / "model.gguf", {"token_embd.weight": embedding()},
+                      add_fields=add_fields)
+    with pytest.raises(ConfigError) as error:
+        gguf.inspect(path)
+    assert_checkpoint_error(error, "is not a readable GGUF file", problem)
+
+
+def test_a_gguf_v1_file_is_refused(tmp_path):
+    path = write_gguf(tmp_path / "model.gguf", {"token_embd.weight": embedding()})
+    with open(path, "r+b") as file:
+        file.seek(4)
+        file.write((1).to_bytes(4, "little"))
+    with pytest.raises(ConfigError) as error:
+        gguf.inspect(path)
+    assert_checkpoint_error(error, "GGUF version 1; versions 2 and 3 are supported")
 
 
 @pytest.mark.parametrize("quant", ["IQ2_XXS", "TQ1_0"])
@@ -498,8 +646,8 @@ def test_a_missing_or_non_gguf_file_is_refused(tmp_path):
     not_gguf.write_bytes(b"PK\x03\x04 a zip, say" * 16)
     assert not gguf.is_gguf(not_gguf)
     with pytest.raises(ConfigError) as error:
-        gguf.reader(not_gguf)
-    assert_checkpoint_error(error, "is not a readable GGUF file")
+        gguf.read_header(not_gguf)
+    assert_checkpoint_error(error, "is not a readable GGUF file", "no GGUF magic number")
     with pytest.raises(ConfigError) as error:
         gguf.inspect(not_gguf)
     assert_checkpoint_error(error, "is not a readable GGUF file")

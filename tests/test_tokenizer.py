@@ -109,14 +109,32 @@ def test_vocab_too_large_for_the_corpus(tmp_path):
         train_local_tokenizer(iter(["tiny corpus"] * 5), tmp_path / "t.model", vocab_size=5000)
 
 
-def test_gemma3_without_local_copy_or_credentials(tmp_path, monkeypatch):
+def test_gemma3_offline_reads_the_embedded_bases_identical_vocabulary(tmp_path, cache_dir,
+                                                                       monkeypatch):
+    monkeypatch.setenv("GEMMA_CACHE_DIR", str(tmp_path))  # no original tokenizer cached
+    monkeypatch.setattr("gemmalab.storage._gcs_credentials_found", lambda: False)
+    tokenizer, info = load_tokenizer("gemma3", cache_dir=cache_dir, training_stories=None,
+                                     vocab_size=0, corpus_fingerprint="")
+    assert info.name == "gemma3 (rebuilt from embedded:gemma3-270m)"  # the data table says so
+    assert info.vocab_size == 262_144
+    assert tokenizer.encode("<start_of_turn>user\n")[0] == 105
+    assert tokenizer.decode(tokenizer.encode("Once upon a time")) == "Once upon a time"
+
+
+def test_gemma3_without_local_copy_credentials_or_embedded_base(tmp_path, monkeypatch):
+    from gemmalab.errors import ConfigError as Refused
+
+    def no_embedded_base(spec, cache_dir):
+        raise Refused("checkpoint", "not installed", "run `make env`")
+
     monkeypatch.setenv("GEMMA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr("gemmalab.storage._gcs_credentials_found", lambda: False)
+    monkeypatch.setattr("gemmalab.weights.embedded.gguf_path", no_embedded_base)
     with pytest.raises(ConfigError) as error:
         load_tokenizer("gemma3", cache_dir=tmp_path, training_stories=None, vocab_size=0,
                        corpus_fingerprint="")
     assert str(error.value).startswith("tokenizer: gs://gemma-data/tokenizers/tokenizer_gemma3")
-    assert "GEMMA_CACHE_DIR" in str(error.value)
+    assert "GEMMA_CACHE_DIR" in str(error.value) and "make env" in str(error.value)
 
 
 def test_gemma3_reads_gemma_cache_dir(local, tmp_path, monkeypatch):

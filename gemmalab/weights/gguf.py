@@ -11,24 +11,36 @@ part straight into its shard (``export.load_hf_params``). A second run skips the
 Everything that can be wrong with the file is found by ``inspect`` before any conversion:
 another architecture, a vision projector (``mmproj``), a truncated file, a quant type that
 ``gguf.quants`` cannot dequantize, a model that is not ``model``.
+
+``read_header`` is the one GGUF header reader of the package, for the weights here and the
+vocabulary (``gguf_vocab``): a straight walk of the key/value fields and tensor entries, cached
+per file, with each tensor's data a view of one memory map of the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
+import math
+import mmap
 import os
+import struct
 import threading
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gemmalab import safetensors_io
 from gemmalab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 ARCHITECTURE = "gemma3"
 # The quant types dequantized (gguf.quants does the arithmetic, in numpy).
@@ -101,69 +113,287 @@ def is_gguf(path: str | os.PathLike) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=2)
-def _reader(path: str, size: int, mtime_ns: int) -> Any:
-    # Opening parses every key, the 262k-piece vocabulary included (seconds): once per file.
-    from gguf import GGUFReader
+# ---------------------------------------------------------------------------------------------
+# The header, parsed once per file.
+#
+# gguf's own GGUFReader builds a numpy view for each of the ~790,000 parts of a vocabulary's
+# arrays (14 s for gemma-3-270m); the header is a few megabytes that one straight walk reads in a
+# fraction of a second, and the tensors are then views of one memory map of the file.
 
-    return GGUFReader(path)
+GGML_MAX_DIMS = 4  # ggml.h: llama.cpp refuses a tensor of more
+DEFAULT_ALIGNMENT = 32  # of the data section and each tensor in it, unless the file says
+ALIGNMENT_KEY = "general.alignment"  # a uint32 power of two (GGUF spec, llama.cpp's gguf.cpp)
+SUPPORTED_VERSIONS = (2, 3)  # v1 had 32-bit counts; v3 only adds big-endian files
+
+# GGUFValueType names -> struct/numpy formats of the fixed-width values.
+_SCALAR_FORMATS = {"UINT8": "B", "INT8": "b", "UINT16": "H", "INT16": "h", "UINT32": "I",
+                   "INT32": "i", "FLOAT32": "f", "BOOL": "?", "UINT64": "Q", "INT64": "q",
+                   "FLOAT64": "d"}
+# The ggml types GGUFReader maps as numbers (in the file's byte order); the rest are raw bytes.
+_NUMBER_FORMATS = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4",
+                   "I64": "i8"}
 
 
-def reader(path: str | os.PathLike) -> Any:
-    """gguf's ``GGUFReader`` of ``path`` (memory-mapped), shared by the weights and the
-    vocabulary (``gguf_vocab``); one line naming ``checkpoint`` for a file it cannot read."""
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in the header."""
+
+    name: str
+    dims: tuple[int, ...]  # ggml's order: dims[0] varies fastest (numpy's last axis)
+    ggml_type: GGMLQuantizationType
+    offset: int  # from the start of the data section
+
+    @property
+    def n_dims(self) -> int:
+        return len(self.dims)
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def n_bytes(self) -> int:
+        from gguf import GGML_QUANT_SIZES
+
+        block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        return self.n_elements // block_size * type_size
+
+    @property
+    def array_shape(self) -> tuple[int, ...]:
+        """The data's numpy shape, as GGUFReader's: dims reversed, quantized rows as bytes."""
+        from gguf.quants import quant_shape_to_byte_shape
+
+        shape = tuple(reversed(self.dims))
+        if self.ggml_type.name in _NUMBER_FORMATS:
+            return shape
+        return quant_shape_to_byte_shape(shape, self.ggml_type)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GGUFHeader:
+    """A GGUF file's header: its key/value fields, its tensors' entries, where their data is.
+
+    Shared by every caller (``read_header`` caches it), so read-only: ``fields`` is a mapping
+    proxy, arrays of numbers are read-only numpy arrays and arrays of strings are tuples.
+    """
+
+    path: Path
+    version: int
+    byte_order: str  # "<" or ">", as struct and numpy spell it
+    fields: Mapping[str, Any]
+    tensors: tuple[TensorInfo, ...]
+    alignment: int
+    data_start: int  # where the data section starts in the file, aligned
+    file_size: int
+    buffer: Any = dataclasses.field(repr=False)  # the file's mmap, kept open by the views
+
+    def field(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def tensor_end(self, tensor: TensorInfo) -> int:
+        """Where the tensor's bytes end in the file; past ``file_size``, the file was cut."""
+        return self.data_start + tensor.offset + tensor.n_bytes
+
+    def tensor_data(self, tensor: TensorInfo) -> np.ndarray:
+        """The tensor's bytes, mapped (not copied), typed and shaped as GGUFReader's
+        ``tensor.data``: what ``gguf.quants.dequantize`` takes."""
+        number_format = _NUMBER_FORMATS.get(tensor.ggml_type.name)
+        dtype = np.dtype(self.byte_order + number_format) if number_format else np.dtype(np.uint8)
+        values = np.frombuffer(self.buffer, dtype, tensor.n_bytes // dtype.itemsize,
+                               self.data_start + tensor.offset)
+        return values.reshape(tensor.array_shape)
+
+
+def read_header(path: str | os.PathLike) -> GGUFHeader:
+    """The header of the GGUF at ``path``, parsed once per version of the file (cached by path,
+    size and mtime); one line naming ``checkpoint`` for a file it cannot read."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("checkpoint", f"no GGUF file at {path}", _FIX)
     stat = path.stat()
     try:
-        return _reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    except Exception as error:  # noqa: BLE001 - a bad header, whatever the reader trips on
+        return _cached_header(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    except (OSError, struct.error, ValueError, KeyError, OverflowError) as error:
         reason = str(error).splitlines()[0][:120] if str(error) else type(error).__name__
         raise ConfigError("checkpoint", f"{path} is not a readable GGUF file, or it is truncated "
                           f"({reason})", _FIX + "; copy or download it again") from None
 
 
-def field(gguf_reader: Any, key: str, default: Any = None) -> Any:
-    """A metadata value (strings decoded, arrays as lists)."""
-    entry = gguf_reader.fields.get(key)
-    return default if entry is None else entry.contents()
+@functools.lru_cache(maxsize=4)
+def _cached_header(path: str, size: int, mtime_ns: int) -> GGUFHeader:
+    with open(path, "rb") as file:
+        buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)  # ValueError if empty
+    try:
+        return _HeaderParser(buffer).header(Path(path))
+    except BaseException:
+        with contextlib.suppress(BufferError):
+            buffer.close()
+        raise
+
+
+class _HeaderParser:
+    """Walks a GGUF header front to back: magic, version, counts, key/value fields, tensor
+    entries. A read past the end raises (struct.error or ValueError), so a cut header does."""
+
+    def __init__(self, buffer: mmap.mmap):
+        self.buffer = buffer
+        self.offset = 0
+        self.order = "<"
+        self.kinds: dict[str, str] = {}  # each field's GGUFValueType name
+
+    def header(self, path: Path) -> GGUFHeader:
+        version = self.preamble()
+        tensor_count, field_count = self.scalar("Q"), self.scalar("Q")
+        fields = self.fields(field_count)
+        alignment = self.alignment(fields)
+        tensors = self.tensor_infos(tensor_count, alignment)
+        data_start = -(-self.offset // alignment) * alignment  # rounded up
+        return GGUFHeader(path, version, self.order, types.MappingProxyType(fields), tensors,
+                          alignment, data_start, len(self.buffer), self.buffer)
+
+    def preamble(self) -> int:
+        if self.buffer[:4] != b"GGUF":
+            raise ValueError("no GGUF magic number")
+        self.offset = 4
+        version = self.scalar("I")
+        if version & 0xFFFF == 0:  # written on a machine of the other byte order
+            self.order = ">"
+            version = int.from_bytes(version.to_bytes(4, "little"), "big")
+        if version not in SUPPORTED_VERSIONS:
+            raise ValueError(f"GGUF version {version}; versions 2 and 3 are supported")
+        return version
+
+    def fields(self, count: int) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for _ in range(count):
+            key, kind = self.string(), self.kind()
+            if key in fields:
+                raise ValueError(f"key {key} appears twice")
+            fields[key], self.kinds[key] = self.value(kind), kind
+        return fields
+
+    def alignment(self, fields: dict[str, Any]) -> int:
+        if ALIGNMENT_KEY not in fields:
+            return DEFAULT_ALIGNMENT
+        alignment = fields[ALIGNMENT_KEY]
+        if self.kinds[ALIGNMENT_KEY] != "UINT32" or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{ALIGNMENT_KEY} {alignment!r} is not a uint32 power of two")
+        return alignment
+
+    def tensor_infos(self, count: int, alignment: int) -> tuple[TensorInfo, ...]:
+        tensors: dict[str, TensorInfo] = {}
+        for _ in range(count):
+            tensor = self.tensor_info()
+            if tensor.name in tensors:
+                raise ValueError(f"tensor {tensor.name} appears twice")
+            if tensor.offset % alignment:
+                raise ValueError(f"tensor {tensor.name}'s offset is not a multiple of {alignment}")
+            tensors[tensor.name] = tensor
+        return tuple(tensors.values())
+
+    def tensor_info(self) -> TensorInfo:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        name, n_dims = self.string(), self.scalar("I")
+        if n_dims > GGML_MAX_DIMS:
+            raise ValueError(f"tensor {name} has {n_dims} dimensions")
+        dims = tuple(self.scalar("Q") for _ in range(n_dims))
+        ggml_type = GGMLQuantizationType(self.scalar("I"))  # ValueError for a type ggml lacks
+        block_size, _ = GGML_QUANT_SIZES[ggml_type]
+        if dims and dims[0] % block_size:  # a row must be whole blocks (llama.cpp checks too)
+            raise ValueError(f"tensor {name}'s rows of {dims[0]} are not whole {ggml_type.name} "
+                             f"blocks of {block_size}")
+        return TensorInfo(name, dims, ggml_type, self.scalar("Q"))
+
+    def kind(self) -> str:
+        from gguf import GGUFValueType
+
+        return GGUFValueType(self.scalar("I")).name  # ValueError for a type GGUF lacks
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(self.order + fmt, self.buffer, self.offset)
+        self.offset += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        size = self.scalar("Q")
+        end = self.offset + size
+        if end > len(self.buffer):
+            raise ValueError("the header ends inside a string")
+        text = self.buffer[self.offset : end].decode("utf-8")
+        self.offset = end
+        return text
+
+    def value(self, kind: str) -> Any:
+        if kind == "STRING":
+            return self.string()
+        if kind == "ARRAY":
+            return self.array()
+        return self.scalar(_SCALAR_FORMATS[kind])
+
+    def array(self) -> Any:
+        kind, count = self.kind(), self.scalar("Q")
+        if kind in _SCALAR_FORMATS:
+            return self.numbers(_SCALAR_FORMATS[kind], count)
+        if kind == "STRING":
+            return self.strings(count)
+        return tuple(self.value(kind) for _ in range(count))
+
+    def numbers(self, fmt: str, count: int) -> np.ndarray:
+        dtype = np.dtype(self.order + fmt)
+        # A copy, so no field pins the mmap; read-only, as every caller shares it.
+        values = np.frombuffer(self.buffer, dtype, count, self.offset).copy()
+        values.flags.writeable = False
+        self.offset += count * dtype.itemsize
+        return values
+
+    def strings(self, count: int) -> tuple[str, ...]:
+        # The 262,144 pieces of Gemma's vocabulary go through here: one tight loop, no calls.
+        unpack_size = struct.Struct(self.order + "Q").unpack_from
+        buffer, offset, texts = self.buffer, self.offset, []
+        for _ in range(count):
+            (size,) = unpack_size(buffer, offset)
+            offset += 8
+            texts.append(buffer[offset : offset + size].decode("utf-8"))
+            offset += size
+        if offset > len(buffer):  # the last string was cut
+            raise ValueError("the header ends inside a string array")
+        self.offset = offset
+        return tuple(texts)
 
 
 def inspect(path: str | os.PathLike) -> GGUFModel:
     """The file's Gemma 3 text model, or one line naming ``checkpoint`` and the fix."""
-    from gguf import GGMLQuantizationType
-
-    gguf_reader = reader(path)
-    architecture = field(gguf_reader, "general.architecture", "")
-    if field(gguf_reader, "general.type") == "mmproj" or architecture == "clip":
+    header = read_header(path)
+    architecture = header.field("general.architecture", "")
+    if header.field("general.type") == "mmproj" or architecture == "clip":
         raise ConfigError("checkpoint", f"{path} is a vision projector (mmproj), not a language "
                           "model", "give the text model's .gguf (the mmproj file only adds "
                           "image input, which gemmalab does not train)")
     if architecture != ARCHITECTURE:
         raise ConfigError("checkpoint", f"{path} holds a {architecture or 'unnamed'} model, "
                           f"not Gemma 3 (general.architecture = {ARCHITECTURE})", _FIX)
-    end = os.path.getsize(path)
-    tensors = []
-    for tensor in gguf_reader.tensors:
-        quant = GGMLQuantizationType(tensor.tensor_type).name
-        if quant not in SUPPORTED_TYPES:
-            raise ConfigError("checkpoint", f"{path}: tensor {tensor.name} is {quant}, which "
-                              "gemmalab cannot dequantize", f"use a GGUF in one of "
-                              f"{', '.join(SUPPORTED_TYPES)} (e.g. llama-quantize to Q4_K_M)")
-        if tensor.data_offset + tensor.n_bytes > end or tensor.data.nbytes != tensor.n_bytes:
-            raise ConfigError("checkpoint", f"{path} is truncated: tensor {tensor.name} ends "
-                              f"past the file's {end:,} bytes", "copy or download it again")
-        tensors.append(GGUFTensor(tensor.name, _hf_name(tensor.name, path),
-                                  tuple(int(n) for n in reversed(tensor.shape)), quant,
-                                  tensor.data))
+    tensors = tuple(_checked_tensor(header, info, path) for info in header.tensors)
     prefix = f"{ARCHITECTURE}."
-    metadata = {key.removeprefix(prefix): field(gguf_reader, key)
-                for key in gguf_reader.fields if key.startswith(prefix)}
+    metadata = {key.removeprefix(prefix): value for key, value in header.fields.items()
+                if key.startswith(prefix)}
     embedding = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embedding is None:
         raise ConfigError("checkpoint", f"{path} has no token_embd.weight", _FIX)
-    return GGUFModel(Path(path), metadata, tuple(tensors), embedding.shape[0])
+    return GGUFModel(Path(path), metadata, tensors, embedding.shape[0])
+
+
+def _checked_tensor(header: GGUFHeader, info: TensorInfo, path: Any) -> GGUFTensor:
+    quant = info.ggml_type.name
+    if quant not in SUPPORTED_TYPES:
+        raise ConfigError("checkpoint", f"{path}: tensor {info.name} is {quant}, which "
+                          "gemmalab cannot dequantize", f"use a GGUF in one of "
+                          f"{', '.join(SUPPORTED_TYPES)} (e.g. llama-quantize to Q4_K_M)")
+    if header.tensor_end(info) > header.file_size:
+        raise ConfigError("checkpoint", f"{path} is truncated: tensor {info.name} ends past "
+                          f"the file's {header.file_size:,} bytes", "copy or download it again")
+    return GGUFTensor(info.name, _hf_name(info.name, path), tuple(reversed(info.dims)), quant,
+                      header.tensor_data(info))
 
 
 def _hf_name(name: str, path: Any) -> str:
@@ -230,7 +460,10 @@ def dequantized(tensor: GGUFTensor) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    values = dequantize(np.asarray(tensor.data), GGMLQuantizationType[tensor.quant_type])
+    data = np.asarray(tensor.data)
+    if not data.dtype.isnative:  # a big-endian file's floats: dequantize reinterprets the bytes
+        data = data.astype(data.dtype.newbyteorder("="))
+    values = dequantize(data, GGMLQuantizationType[tensor.quant_type])
     values = np.asarray(values, np.float32).reshape(tensor.shape)
     return values - 1.0 if tensor.is_norm else values
 
