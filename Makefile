@@ -15,10 +15,11 @@ export TF_CPP_MIN_LOG_LEVEL := 3
 
 DEMO_DIR ?= runs/demo
 
-.PHONY: help env libtpu interop demo test test-fast test-numerics lint lock notebooks lab image clean
+.PHONY: help env libtpu interop demo demo-tiny test test-fast test-numerics lint lock notebooks lab image clean
 
 help:
-	@echo "make demo   - set up, then fine-tune offline on the embedded corpus (notebooks/train.ipynb)"
+	@echo "make demo   - set up, then fine-tune the embedded pretrained Gemma 3 270M offline (train.ipynb)"
+	@echo "make demo-tiny - the same notebook on the 1.7M-parameter tiny preset, from random init (~3 min)"
 	@echo "make test   - set up, then run the test suite"
 	@echo "make test-fast     - the tests without notebooks and multi-process runs (~2 min)"
 	@echo "make test-numerics - the notebook regression tests under SSE4.2/1 core and AVX2 numerics"
@@ -82,6 +83,17 @@ demo: $(STAMP)
 		-p output_dir $(DEMO_DIR) --log-output --no-progress-bar
 	@$(VENV)/bin/python -m gemmalab.summary $(DEMO_DIR)/summary.json
 
+# The tiny preset from random init with a tokenizer trained on the corpus: the quick look.
+TINY := -p model gemma3-tiny -p checkpoint "" -p lora_rank 0 -p batch_size None \
+	-p maxlen 256 -p max_steps None -p learning_rate None -p embedded_stories 12000 \
+	-p max_eval_stories 1000 -p eval_every 25
+DEMO_TINY_DIR ?= runs/demo-tiny
+demo-tiny: $(STAMP)
+	rm -rf $(DEMO_TINY_DIR) && mkdir -p $(DEMO_TINY_DIR)
+	$(VENV)/bin/papermill notebooks/train.ipynb $(DEMO_TINY_DIR)/train.ipynb $(TINY) \
+		-p output_dir $(DEMO_TINY_DIR) --log-output --no-progress-bar
+	@$(VENV)/bin/python -m gemmalab.summary $(DEMO_TINY_DIR)/summary.json
+
 # nbval regression copies: each notebook executed at small parameters, in dependency order
 # (data prep builds the token cache, train writes the run that sample_compare and profile read).
 NBVAL_DIR := tests/notebooks
@@ -118,7 +130,7 @@ notebooks: $(STAMP)
 		$(NBVAL_DIR)/nbval-export
 	$(PAPERMILL) notebooks/data_prep.ipynb $(NBVAL_DIR)/1_data_prep.ipynb $(NBVAL_DATA) \
 		-y '{compare_maxlens: [32, 64, 128]}'
-	$(PAPERMILL) notebooks/train.ipynb $(NBVAL_DIR)/2_train.ipynb $(NBVAL_DATA) \
+	$(PAPERMILL) notebooks/train.ipynb $(NBVAL_DIR)/2_train.ipynb $(TINY) $(NBVAL_DATA) \
 		-p batch_size 8 -p max_steps 20 -p eval_every 10 -p output_dir nbval-run \
 		-p max_new_tokens 24
 	$(PAPERMILL) notebooks/sample_compare.ipynb $(NBVAL_DIR)/3_sample_compare.ipynb \

@@ -524,9 +524,11 @@ def peft_adapter_tensors(lora_params: dict, dtype: str = "float32"
 
 
 def peft_adapter_config(*, rank: int, alpha: float, target_modules: list[str],
-                        base_model_name_or_path: str) -> dict[str, Any]:
+                        base_model_name_or_path: str,
+                        token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
     """``adapter_config.json``: PEFT's LoraConfig fields that peft and vLLM read."""
     return {
+        "trainable_token_indices": {"embed_tokens": list(token_ids)} if token_ids else None,
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path or None,
         "r": rank, "lora_alpha": alpha, "target_modules": target_modules,
@@ -564,11 +566,19 @@ def _check_adapter_shapes(tensors: list[safetensors_io.Tensor], model_config: An
                               "give the run's lora_rank, its model config and its adapters")
 
 
+# PEFT's trained embedding rows (LoraConfig.trainable_token_indices): the rows' new values,
+# which PEFT writes over the base embedding's (``index_copy``), tied to the output head.
+PEFT_TOKEN_ROWS = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+
+
 def export_peft(lora_params: dict, model_config: Any, out_dir: str | Path, *, rank: int,
-                alpha: float, base_model_name_or_path: str, dtype: str = "float32") -> list[str]:
+                alpha: float, base_model_name_or_path: str, dtype: str = "float32",
+                token_ids: tuple[int, ...] = (), token_rows: Any = None) -> list[str]:
     """Write LoRA adapters alone in PEFT's layout (``adapter_config.json``,
     ``adapter_model.safetensors``). ``alpha / rank`` is the scale the run trained with
-    (gemma's own LoRA, unscaled, is ``alpha = rank``)."""
+    (gemma's own LoRA, unscaled, is ``alpha = rank``). A run that trained embedding rows gives
+    their ids and their trained values (``token_rows``, ``[len(token_ids), embed]``: the
+    merged embedding's rows), written as PEFT's trainable tokens."""
     _require_dtype(dtype)
     if rank <= 0 or alpha <= 0:
         raise ConfigError("rank" if rank <= 0 else "alpha", f"{rank if rank <= 0 else alpha} "
@@ -583,11 +593,25 @@ def export_peft(lora_params: dict, model_config: Any, out_dir: str | Path, *, ra
                           "give the run's lora_rank")
     _check_adapter_shapes(tensors, model_config, rank)
     targets = sorted({t.name.split(".")[-3] for t in tensors})
+    from gemmalab import lora
+
+    if lora.TOKEN_ROWS in lora_params and not token_ids:
+        raise ConfigError("token_ids", "the adapters hold trained embedding rows but no ids were "
+                          "given", "give the run's lora_token_ids and the rows (export_run does)")
+    if token_ids:
+        rows = np.asarray(token_rows, np.float32)
+        if rows.shape != (len(token_ids), model_config.embed_dim):
+            raise ConfigError("token_rows", f"shape {rows.shape}, not ({len(token_ids)}, "
+                              f"{model_config.embed_dim})", "give the merged embedding's rows "
+                              "of the run's lora_token_ids")
+        out_dtype = safetensors_io.DTYPES[EXPORT_DTYPES[dtype]]
+        tensors.append(safetensors_io.Tensor(PEFT_TOKEN_ROWS, rows.shape, out_dtype,
+                                             lambda: rows.astype(out_dtype)))
     out = _require_new_dir(out_dir)
     safetensors_io.write_file(out / "adapter_model.safetensors", tensors)
     _write_json(out / "adapter_config.json", peft_adapter_config(
         rank=rank, alpha=alpha, target_modules=targets,
-        base_model_name_or_path=base_model_name_or_path))
+        base_model_name_or_path=base_model_name_or_path, token_ids=tuple(token_ids)))
     return ["adapter_config.json", "adapter_model.safetensors"]
 
 
@@ -651,10 +675,16 @@ def export_run(run_dir: str | Path, fmt: str, out_dir: str | Path, *,
             raise ConfigError("format", f"run {run_dir} has no LoRA adapters (adapters/)",
                               "export it as hf or gemma, or pick a run with lora_rank > 0")
         rank = settings["lora_rank"]
+        token_ids = tuple(summary.get("lora_token_ids") or ())
+        token_rows = None
+        if token_ids:  # the trained rows' values: those of the merged embedding
+            embedding = checkpoints.load_params(str(run / "params"))["embedder"]
+            token_rows = np.asarray(embedding["input_embedding"])[list(token_ids)]
         return export_peft(checkpoints.load_params(str(run / "adapters")), model_config, out_dir,
                            rank=rank, alpha=settings.get("lora_alpha") or rank,
                            base_model_name_or_path=base_model or settings.get("checkpoint", ""),
-                           dtype=dtype or "float32")
+                           dtype=dtype or "float32", token_ids=token_ids,
+                           token_rows=token_rows)
     params = checkpoints.load_params(str(run / "params"))
     if fmt == "gemma":
         if dtype is not None:

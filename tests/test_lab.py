@@ -118,9 +118,11 @@ def test_lab_serves_the_notebooks_and_runs_them_in_the_project_kernel(lab):
     kernel = lab.post("/api/kernels", {"name": "gemmalab"})
     output = execute(lab, kernel["id"], parameters["source"] + "\n"
                      "import sys, gemmalab.config\n"
-                     "config = gemmalab.config.TrainConfig(model=model, batch_size=batch_size)\n"
-                     "print(model, config.batch_size, sys.version_info[:2] == (3, 12))")
-    assert output.split() == ["gemma3-tiny", "16", "True"]  # batch None: the model's own
+                     "config = gemmalab.config.TrainConfig(model=model, checkpoint=checkpoint,\n"
+                     "                                     batch_size=batch_size)\n"
+                     "print(config.model, config.tokenizer, sys.version_info[:2] == (3, 12))")
+    # The embedded pretrained base: its preset and its own (Gemma 3) vocabulary.
+    assert output.split() == ["gemma3-270m", "gemma3", "True"]
 
 
 @pytest.mark.slow

@@ -171,3 +171,73 @@ def test_a_crashed_lora_run_resumes_exactly(lora_run, cache_dir, stories_file):
     # A resume with another rank is refused up front, naming the field.
     with pytest.raises(ConfigError, match="lora_rank"):
         Experiment.prepare(dataclasses.replace(config, lora_rank=8))
+
+
+def test_trained_token_rows_change_only_their_rows_learn_and_merge_exactly(tiny, tmp_path):
+    """lora_train_tokens: the rows' update joins the (tied) embedding, gets gradients, and the
+    merged tree and the PEFT export carry the trained rows."""
+    import json
+
+    from gemmalab import export, safetensors_io, training
+
+    config, base_model, base = tiny
+    ids = (10, 11)  # the local tokenizer's turn tokens
+    adapters = lora.init_adapters(config, rank=RANK, modules="all", dtype="float32", seed=1,
+                                  token_rows=len(ids))
+    assert adapters[lora.TOKEN_ROWS].shape == (2, config.embed_dim)
+    assert jax.tree.structure(adapters) == jax.tree.structure(lora.abstract_adapters(
+        config, rank=RANK, modules="all", dtype="float32", token_rows=2))
+    model = lora.wrap(base_model, rank=RANK, alpha=None, modules="all", dtype=jnp.float32,
+                      token_ids=ids)
+    assert lora.token_ids(model) == ids
+
+    # The loss on a row ending in an id of ``ids`` sends gradient into exactly those rows.
+    tokens = np.asarray([[2, 40, 41, 42, 10, 43, 11, 0]], np.int32)
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
+             "loss_mask": np.asarray([[1, 1, 1, 1, 1, 1, 0, 0]], np.int32),
+             "positions": np.arange(8, dtype=np.int32)[None],
+             "segment_ids": np.asarray([[1, 1, 1, 1, 1, 1, 1, 0]], np.int32)}
+    grads = jax.grad(lambda a: training.forward_loss(model, a, batch, jnp.float32, base)[0])(
+        adapters)
+    assert float(jnp.abs(grads[lora.TOKEN_ROWS]).min(axis=1).max()) > 0  # both rows learn
+
+    trained = {**adapters, lora.TOKEN_ROWS: adapters[lora.TOKEN_ROWS] + 0.5}
+    joined = lora.join(base, trained, ids)["embedder"]["input_embedding"]
+    original = base["embedder"]["input_embedding"]
+    changed = np.flatnonzero(np.abs(np.asarray(joined - original)).max(axis=1) > 0)
+    assert changed.tolist() == list(ids)
+    merged = lora.merge(base, trained, 1.0, token_ids=ids)["embedder"]["input_embedding"]
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(joined), atol=1e-6)
+    with pytest.raises(ValueError, match="2 trained embedding rows for 1 token ids"):
+        lora.join(base, trained, ids[:1])
+
+    # PEFT's trainable tokens: the rows' trained values, their ids in the config.
+    files = export.export_peft(trained, config, tmp_path / "peft", rank=RANK, alpha=RANK,
+                               base_model_name_or_path="", token_ids=ids,
+                               token_rows=np.asarray(merged)[list(ids)])
+    written = safetensors_io.read_file(tmp_path / "peft" / files[1])
+    np.testing.assert_array_equal(written[export.PEFT_TOKEN_ROWS], np.asarray(merged)[[10, 11]])
+    adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert adapter_config["trainable_token_indices"] == {"embed_tokens": [10, 11]}
+    with pytest.raises(ConfigError, match="^token_ids: the adapters hold trained embedding rows"):
+        export.export_peft(trained, config, tmp_path / "peft2", rank=RANK, alpha=RANK,
+                           base_model_name_or_path="")
+
+
+def test_lora_train_tokens_resolve_to_ids_and_unknown_pieces_are_refused(cache_dir):
+    from gemmalab.experiment import trained_token_ids
+    from gemmalab.tokenizer import load_tokenizer
+
+    config = TrainConfig(lora_rank=4, lora_train_tokens=["<end_of_turn>", "<start_of_turn>"],
+                         cache_dir=str(cache_dir))
+    _, info = load_tokenizer("gemma3", cache_dir=cache_dir, training_stories=None, vocab_size=0,
+                             corpus_fingerprint="")
+    assert trained_token_ids(config, info, chat=False) == (105, 106)
+    # None: the turn tokens for chat data on a pretrained checkpoint, else none.
+    chat_run = TrainConfig(checkpoint="embedded:gemma3-270m", lora_rank=4)
+    assert trained_token_ids(chat_run, info, chat=True) == (105, 106)
+    assert trained_token_ids(chat_run, info, chat=False) == ()
+    assert trained_token_ids(dataclasses.replace(chat_run, lora_rank=0), info, chat=True) == ()
+    with pytest.raises(ConfigError, match=r"^lora_train_tokens: \['<end of turn>'\] are not"):
+        trained_token_ids(dataclasses.replace(config, lora_train_tokens=["<end of turn>"]), info,
+                          chat=False)
