@@ -62,7 +62,9 @@ libtpu: $(LIBTPU)/.installed
 # after .venv's packages, so jax, numpy etc. stay the ones of .venv.
 INTEROP := .interop
 INTEROP_DIR ?= runs/interop
-INTEROP_RUN ?=  # e.g. runs/demo: also export that finished run and compare greedy continuations
+# A finished run to export too, comparing transformers' logits and greedy tokens with gemmalab's:
+# by default the demo's (the fine-tuned real Gemma 3 270M), once `make demo` has run.
+INTEROP_RUN ?= $(if $(wildcard $(DEMO_DIR)/summary.json),$(DEMO_DIR),)
 $(INTEROP)/.installed: $(STAMP) uv.lock
 	rm -rf $(INTEROP) && mkdir -p $(INTEROP)
 	$(UV) export --frozen --only-group interop --no-emit-project -o $(INTEROP)/requirements.txt \
@@ -86,7 +88,7 @@ demo: $(STAMP)
 # The tiny preset from random init with a tokenizer trained on the corpus: the quick look.
 TINY := -p model gemma3-tiny -p checkpoint "" -p lora_rank 0 -p batch_size None \
 	-p maxlen 256 -p max_steps None -p learning_rate None -p embedded_stories 12000 \
-	-p max_eval_stories 1000 -p eval_every 25
+	-p max_eval_stories 1000 -p eval_every 25 -p max_new_tokens 64
 DEMO_TINY_DIR ?= runs/demo-tiny
 demo-tiny: $(STAMP)
 	rm -rf $(DEMO_TINY_DIR) && mkdir -p $(DEMO_TINY_DIR)

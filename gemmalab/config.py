@@ -134,7 +134,7 @@ class TrainConfig:
             object.__setattr__(self, "model", _model_of_checkpoint(self.checkpoint))
         if self.tokenizer is None:
             object.__setattr__(self, "tokenizer", _tokenizer_of_checkpoint(self.checkpoint))
-        require(not (self.checkpoint and self.tokenizer == "local"), "tokenizer",
+        require(not (self.tokenizer == "local" and _is_pretrained(self.checkpoint)), "tokenizer",
                 "a tokenizer trained on the corpus cannot read a pretrained checkpoint's "
                 "embeddings", "leave tokenizer unset (None: the checkpoint's own) or use 'gemma3'")
         if self.lora_train_tokens is not None:  # a list, as papermill and JSON give it
@@ -305,12 +305,32 @@ def _model_of_checkpoint(checkpoint: str) -> str:
 
 
 def _tokenizer_of_checkpoint(checkpoint: str) -> str:
-    """The tokenizer that goes with a checkpoint: its own vocabulary, never a local one."""
+    """The tokenizer that goes with a checkpoint: its own vocabulary (a gemmalab run's params:
+    the tokenizer that run used), never a freshly trained one."""
     if not checkpoint:
         return "local"
     if checkpoint.endswith(".gguf"):
         return checkpoint  # the GGUF's own vocabulary (gemmalab.weights.gguf_vocab)
+    if checkpoint.startswith(("gs://", "embedded:")):
+        return "gemma3"
     own = Path(checkpoint) / "tokenizer.model"  # a Hugging Face directory's
-    if not checkpoint.startswith(("gs://", "embedded:")) and own.is_file():
+    if own.is_file():
         return str(own)
+    run_summary = Path(checkpoint).parent / "summary.json"  # output_dir/params of a run
+    if run_summary.is_file():
+        import json
+
+        return json.loads(run_summary.read_text())["params"]["tokenizer"]
     return "gemma3"
+
+
+def _is_pretrained(checkpoint: str) -> bool:
+    """Weights trained with their own vocabulary elsewhere (not a gemmalab run's params, which
+    may come from a local tokenizer)."""
+    if not checkpoint:
+        return False
+    if checkpoint in EMBEDDED_BASES or checkpoint.endswith(".gguf"):
+        return True
+    if checkpoint.upper().startswith("GEMMA3_") and "/" not in checkpoint:
+        return True
+    return (Path(checkpoint) / "config.json").is_file()  # a Hugging Face directory
