@@ -109,9 +109,15 @@ def cast_params(params: Any, dtype: Any) -> Any:
 
 def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array,
                           mask: jax.Array, *, softcap: float | None = None,
-                          max_logits: int, mesh: Any = None) -> tuple[jax.Array, jax.Array]:
+                          max_logits: int, mesh: Any = None,
+                          row_updates: tuple[jax.Array, jax.Array] | None = None
+                          ) -> tuple[jax.Array, jax.Array]:
     """``masked_cross_entropy`` of the tied-embedding logits of ``[B, L, D]`` hidden states,
     about ``max_logits`` logits at a time. ``mesh``: the one the batch is split over.
+    ``row_updates``: ``(ids, [len(ids), D] update)`` of a few embedding rows (LoRA's trained
+    token rows), added to those logits apart, so the update's gradient is ``[len(ids), D]`` —
+    folded into ``embedding`` it would take the whole ``[V, D]`` gradient, a second logits-sized
+    matmul.
 
     With Gemma's 262k vocabulary the logits of a 128 x 256 batch take 34 GB in fp32; there the
     positions are processed in chunks, and each chunk's logits are recomputed in the backward
@@ -131,6 +137,9 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
     def one_chunk(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         h, t, m = args
         logits = jnp.einsum("...d,vd->...v", h, embedding)
+        if row_updates is not None:
+            ids, update = row_updates
+            logits = logits.at[..., ids].add(jnp.einsum("...d,kd->...k", h, update))
         if softcap is not None:
             logits = jnp.tanh(logits / softcap) * softcap
         return masked_cross_entropy(logits, t, m)
@@ -163,18 +172,25 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
     the one the batch is split over (None: let XLA place the loss's chunks).
     """
     params = cast_params(params, compute_dtype)
+    head, row_updates = None, None
     if frozen is not None:
-        params = lora.join(cast_params(frozen, compute_dtype), params, lora.token_ids(model))
+        frozen = cast_params(frozen, compute_dtype)
+        token_ids = lora.token_ids(model)
+        if lora.TOKEN_ROWS in params:  # the output head: the frozen rows, the update apart
+            head = frozen["embedder"]["input_embedding"]
+            row_updates = (jnp.asarray(token_ids, jnp.int32), params[lora.TOKEN_ROWS])
+        params = lora.join(frozen, params, token_ids)
     # A fused attention kernel takes the segments, not the [B, L, L] mask (gemmalab.attention).
     mask = (attention.segment_starts(batch["segment_ids"]) if attention.kernel_of(model)
             else attention_mask(batch["segment_ids"]))
     # The model's own logits are unused (XLA drops them); the loss recomputes them in chunks.
     output = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
                          attention_mask=mask, return_hidden_states=True)
-    return chunked_cross_entropy(output.hidden_states, params["embedder"]["input_embedding"],
-                                 batch["targets"], batch["loss_mask"] > 0,
-                                 softcap=model.config.final_logit_softcap,
-                                 max_logits=LOSS_CHUNK_LOGITS, mesh=mesh)
+    head = params["embedder"]["input_embedding"] if head is None else head
+    return chunked_cross_entropy(output.hidden_states, head, batch["targets"],
+                                 batch["loss_mask"] > 0, softcap=model.config.final_logit_softcap,
+                                 max_logits=LOSS_CHUNK_LOGITS, mesh=mesh,
+                                 row_updates=row_updates)
 
 
 def make_train_step(model: Any, optimizer: optax.GradientTransformation,

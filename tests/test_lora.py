@@ -202,6 +202,11 @@ def test_trained_token_rows_change_only_their_rows_learn_and_merge_exactly(tiny,
     assert float(jnp.abs(grads[lora.TOKEN_ROWS]).min(axis=1).max()) > 0  # both rows learn
 
     trained = {**adapters, lora.TOKEN_ROWS: adapters[lora.TOKEN_ROWS] + 0.5}
+    # The loss adds the rows' logits apart (no [V, D] gradient): the merged model's loss.
+    split_loss = training.forward_loss(model, trained, batch, jnp.float32, base)[0]
+    merged_tree = lora.merge(base, trained, 1.0, token_ids=ids)
+    merged_loss = training.forward_loss(base_model, merged_tree, batch, jnp.float32)[0]
+    np.testing.assert_allclose(float(split_loss), float(merged_loss), rtol=1e-5)
     joined = lora.join(base, trained, ids)["embedder"]["input_embedding"]
     original = base["embedder"]["input_embedding"]
     changed = np.flatnonzero(np.abs(np.asarray(joined - original)).max(axis=1) > 0)
