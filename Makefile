@@ -79,16 +79,18 @@ interop: $(STAMP) $(INTEROP)/.installed
 		$(if $(INTEROP_RUN),--run $(INTEROP_RUN),)
 
 # A fresh run each time: a run directory that holds checkpoints would be resumed instead.
+# The demo's recipe on 2 CPU cores (bench/demo_recipe.py, docs/benchmarks.md): the notebook's
+# defaults (the embedded Gemma 3 270M, LoRA r8) at a size that trains in minutes.
+DEMO := -p batch_size 8 -p maxlen 128 -p max_steps 40 -p learning_rate 1e-3 \
+	-p embedded_stories 2000 -p max_eval_stories 32 -p eval_every 20
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
-	$(VENV)/bin/papermill notebooks/train.ipynb $(DEMO_DIR)/train.ipynb \
+	$(VENV)/bin/papermill notebooks/train.ipynb $(DEMO_DIR)/train.ipynb $(DEMO) \
 		-p output_dir $(DEMO_DIR) --log-output --no-progress-bar
 	@$(VENV)/bin/python -m gemmalab.summary $(DEMO_DIR)/summary.json
 
 # The tiny preset from random init with a tokenizer trained on the corpus: the quick look.
-TINY := -p model gemma3-tiny -p checkpoint "" -p lora_rank 0 -p batch_size None \
-	-p maxlen 256 -p max_steps None -p learning_rate None -p embedded_stories 12000 \
-	-p max_eval_stories 1000 -p eval_every 25 -p max_new_tokens 64
+TINY := -p model gemma3-tiny -p checkpoint "" -p lora_rank 0 -p max_new_tokens 64
 DEMO_TINY_DIR ?= runs/demo-tiny
 demo-tiny: $(STAMP)
 	rm -rf $(DEMO_TINY_DIR) && mkdir -p $(DEMO_TINY_DIR)
