@@ -185,7 +185,9 @@ NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "train.ipynb"
 
 
 def _papermill_command(output_dir, cache_dir, stories_file, name):
-    values = dict(data_path=str(stories_file), cache_dir=str(cache_dir),
+    # The tiny preset from random init (the notebook's default is the embedded real base).
+    values = dict(model="gemma3-tiny", checkpoint="", lora_rank=0,
+                  data_path=str(stories_file), cache_dir=str(cache_dir),
                   output_dir=str(output_dir), batch_size=16, maxlen=128, max_steps=32,
                   eval_every=0, checkpoint_every=8, log_every=1, tokenizer_vocab_size=600,
                   tokenize_workers=1, seed=5, compute_dtype="float32", max_new_tokens=4)
