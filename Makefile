@@ -87,7 +87,7 @@ demo: $(STAMP)
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	$(VENV)/bin/papermill notebooks/train.ipynb $(DEMO_DIR)/train.ipynb $(DEMO) \
 		-p output_dir $(DEMO_DIR) --log-output --no-progress-bar
-	@$(VENV)/bin/python -m gemmalab.summary $(DEMO_DIR)/summary.json
+	@$(VENV)/bin/python -m gemmalab.inspect.summary $(DEMO_DIR)/summary.json
 
 # The tiny preset from random init with a tokenizer trained on the corpus: the quick look.
 TINY := -p model gemma3-tiny -p checkpoint "" -p lora_rank 0 -p max_new_tokens 64
@@ -96,7 +96,7 @@ demo-tiny: $(STAMP)
 	rm -rf $(DEMO_TINY_DIR) && mkdir -p $(DEMO_TINY_DIR)
 	$(VENV)/bin/papermill notebooks/train.ipynb $(DEMO_TINY_DIR)/train.ipynb $(TINY) \
 		-p output_dir $(DEMO_TINY_DIR) --log-output --no-progress-bar
-	@$(VENV)/bin/python -m gemmalab.summary $(DEMO_TINY_DIR)/summary.json
+	@$(VENV)/bin/python -m gemmalab.inspect.summary $(DEMO_TINY_DIR)/summary.json
 
 # nbval regression copies: each notebook executed at small parameters, in dependency order
 # (data prep builds the token cache, train writes the run that sample_compare and profile read).

@@ -5,8 +5,8 @@
 
 For each model x (full fine-tuning, LoRA) x maxlen: random weights (no download), random
 tokens in packed-style rows (two documents a row), the project's own train step
-(``gemmalab.training``: fp32 master weights, bf16 compute, AdamW, clipping) over every attached
-device data-parallel, ``--tokens`` per step. Reports step time, tokens/s, model TFLOP/s
+(``gemmalab.train.optimization``: fp32 master weights, bf16 compute, AdamW, clipping) over every
+attached device data-parallel, ``--tokens`` per step. Reports step time, tokens/s, model TFLOP/s
 (``plan.model_flops``: 6 per weight per token plus attention; 4 per frozen weight with LoRA),
 MFU against the devices' dense bf16 peak (None on CPUs) and peak device memory. A configuration
 that does not fit is reported as such and the rest still run.
@@ -26,8 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab import lora, mesh, models, plan, sharding, training
+from gemmalab import plan
 from gemmalab.config import TrainConfig
+from gemmalab.model import lora, mesh, presets, sharding
+from gemmalab.train import optimization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +63,15 @@ def measure(case: Case, *, steps: int, vocab: int) -> dict[str, Any]:
                          lora_rank=case.lora_rank, tokenizer_vocab_size=vocab,
                          tokenizer="local" if case.model == "gemma3-tiny" else "gemma3")
     device_mesh = mesh.make_mesh()
-    model_config = models.model_config(case.model, plan.vocab_size_hint(config))
-    base_model = models.build_model(model_config, param_dtype=jnp.float32,
-                                    attention=config.attention, mesh=device_mesh)
-    schedule = training.learning_rate_schedule(1e-5, 1000, warmup_ratio=0.0, min_lr_ratio=1.0)
-    optimizer = training.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
-                                        max_grad_norm=1.0)
+    model_config = presets.model_config(case.model, plan.vocab_size_hint(config))
+    base_model = presets.build_model(model_config, param_dtype=jnp.float32,
+                                     attention=config.attention, mesh=device_mesh)
+    schedule = optimization.learning_rate_schedule(1e-5, 1000, warmup_ratio=0.0, min_lr_ratio=1.0)
+    optimizer = optimization.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
+                                            max_grad_norm=1.0)
     expected = plan.abstract_params(model_config, "float32")
-    weights = models.init_params(base_model, seed=0, sample_length=case.maxlen,
-                                 shardings=sharding.param_sharding(expected, device_mesh))
+    weights = presets.init_params(base_model, seed=0, sample_length=case.maxlen,
+                                  shardings=sharding.param_sharding(expected, device_mesh))
     model, frozen, frozen_shardings = base_model, None, None
     if case.lora_rank:
         model = lora.wrap(base_model, rank=case.lora_rank, alpha=None, modules="all",
@@ -78,11 +80,11 @@ def measure(case: Case, *, steps: int, vocab: int) -> dict[str, Any]:
         frozen_shardings = sharding.param_sharding(frozen, device_mesh)
         weights = lora.init_adapters(model_config, rank=case.lora_rank, modules="all",
                                      dtype="float32", seed=1)
-    num_params = models.parameter_count(frozen if frozen is not None else weights)
-    adapters = models.parameter_count(weights) if case.lora_rank else 0
-    state, shardings = training.init_state(weights, optimizer, device_mesh)
-    step = training.make_train_step(model, optimizer, schedule, jnp.bfloat16, device_mesh,
-                                    shardings, frozen_shardings=frozen_shardings)
+    num_params = presets.parameter_count(frozen if frozen is not None else weights)
+    adapters = presets.parameter_count(weights) if case.lora_rank else 0
+    state, shardings = optimization.init_state(weights, optimizer, device_mesh)
+    step = optimization.make_train_step(model, optimizer, schedule, jnp.bfloat16, device_mesh,
+                                        shardings, frozen_shardings=frozen_shardings)
     batch = synthetic_batch(case, model_config.num_embed, device_mesh)
     started = time.perf_counter()
     compiled = step.lower(state, batch, frozen).compile()

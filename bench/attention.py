@@ -30,12 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab import mesh, models, plan, training
+from gemmalab import plan
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
+from gemmalab.model import mesh, presets
+from gemmalab.train import optimization
 
 MIB = 1 << 20
-# The kernel the fused column runs on each platform (gemmalab.attention.resolve's "auto").
+# The kernel the fused column runs on each platform (gemmalab.model.attention.resolve's "auto").
 FUSED = {"cpu": "dot_product", "gpu": "dot_product", "tpu": "splash"}
 
 
@@ -67,15 +69,15 @@ def measure(config, attention: str, batch: dict[str, np.ndarray], compute_dtype:
     device_mesh = mesh.make_mesh()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # splash interpreted off TPU
-        model = models.build_model(config, param_dtype=jnp.float32, attention=attention,
-                                   mesh=device_mesh)
-    params = models.init_params(model, seed=0, sample_length=8)
-    schedule = training.learning_rate_schedule(1e-4, 1000, warmup_ratio=0.0, min_lr_ratio=1.0)
-    optimizer = training.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
-                                        max_grad_norm=1.0)
-    state, shardings = training.init_state(params, optimizer, device_mesh)
-    step = training.make_train_step(model, optimizer, schedule, jnp.dtype(compute_dtype),
-                                    device_mesh, shardings)
+        model = presets.build_model(config, param_dtype=jnp.float32, attention=attention,
+                                    mesh=device_mesh)
+    params = presets.init_params(model, seed=0, sample_length=8)
+    schedule = optimization.learning_rate_schedule(1e-4, 1000, warmup_ratio=0.0, min_lr_ratio=1.0)
+    optimizer = optimization.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
+                                            max_grad_norm=1.0)
+    state, shardings = optimization.init_state(params, optimizer, device_mesh)
+    step = optimization.make_train_step(model, optimizer, schedule, jnp.dtype(compute_dtype),
+                                        device_mesh, shardings)
     batch = mesh.global_batch(batch, device_mesh)
     compiled = step.lower(state, batch, None).compile()
     temporaries = int(compiled.memory_analysis().temp_size_in_bytes)
@@ -101,7 +103,7 @@ def local_table(args: argparse.Namespace) -> None:
     args.maxlens = args.maxlens or ([256, 512, 1024, 2048] if on_cpu else
                                     [256, 1024, 2048, 4096, 8192])
     vocab = args.vocab if args.model == "gemma3-tiny" else plan.GEMMA3_VOCAB
-    config = models.model_config(args.model, vocab)
+    config = presets.model_config(args.model, vocab)
     print(f"\n{args.model}, {args.tokens} tokens per step, {args.compute_dtype}, "
           f"{jax.device_count()} x {jax.devices()[0].device_kind} ({platform}); gemma vs "
           f"{fused}\n")

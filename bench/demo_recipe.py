@@ -27,7 +27,7 @@ RECIPES = {
 
 def run_one(name: str, cache_dir: str) -> dict:
     from gemmalab.config import TrainConfig
-    from gemmalab.experiment import Experiment
+    from gemmalab.train.experiment import Experiment
 
     started = time.time()
     with tempfile.TemporaryDirectory() as output_dir:

@@ -10,8 +10,8 @@ thread (the rate one core sustains, not one hidden behind a queue):
   the loader each epoch (no BOS/EOS), truncated and zero-padded to ``maxlen``, one story per row;
 - ``grain best-fit``: the previous gemmalab path: grain's ``BestFitPackIterDataset`` with 1,024
   open rows over shuffled, repeated windows of the token cache;
-- ``plan + gather``: ``gemmalab.packing`` (what ``data.train_batches`` runs): a best-fit
-  decreasing plan per epoch, rows gathered from the memory-mapped cache in bulk;
+- ``plan + gather``: ``gemmalab.data.packing`` (what ``grain_batches.train_batches`` runs): a
+  best-fit decreasing plan per epoch, rows gathered from the memory-mapped cache in bulk;
 
 then the last one under grain's ``mp_prefetch`` with 1 … ``--max-workers`` worker processes
 (all cores; the batches built in shared memory).
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from gemmalab import data, packing
+from gemmalab.data import documents, packing, token_cache
 
 # The tutorial's published step on one v6e chip: 294.7 s for 750 steps of 128 x 256.
 TUTORIAL_STEP_S = 294.7 / 750
@@ -59,9 +59,9 @@ def tutorial_batches(stories: list[str], model_proto: bytes, *, maxlen: int, bat
                .astype(np.int32), "segment_ids": real.astype(np.int32)}
 
 
-def grain_best_fit_batches(split: data.TokenizedSplit, *, maxlen: int, batch: int, seed: int
+def grain_best_fit_batches(split: token_cache.TokenizedSplit, *, maxlen: int, batch: int, seed: int
                            ) -> Iterator[dict[str, np.ndarray]]:
-    """gemmalab before ``gemmalab.packing``: grain's best-fit packer, 1,024 open rows."""
+    """gemmalab before ``gemmalab.data.packing``: grain's best-fit packer, 1,024 open rows."""
     import grain
 
     def rows(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -72,7 +72,7 @@ def grain_best_fit_batches(split: data.TokenizedSplit, *, maxlen: int, batch: in
                 "positions": packed["inputs_positions"].astype(np.int32),
                 "loss_mask": (packed["loss_mask"] * real).astype(np.int32)}
 
-    windows = grain.MapDataset.source(data.WindowSource(split, maxlen)).shuffle(seed=seed)
+    windows = grain.MapDataset.source(packing.WindowSource(split, maxlen)).shuffle(seed=seed)
     packed = grain.experimental.BestFitPackIterDataset(
         windows.repeat(None).to_iter_dataset(),
         length_struct={"inputs": maxlen, "targets": maxlen, "loss_mask": maxlen},
@@ -80,13 +80,13 @@ def grain_best_fit_batches(split: data.TokenizedSplit, *, maxlen: int, batch: in
     return iter(packed.map(rows).batch(batch, drop_remainder=True))
 
 
-def new_batches(split: data.TokenizedSplit, *, maxlen: int, batch: int, seed: int,
+def new_batches(split: token_cache.TokenizedSplit, *, maxlen: int, batch: int, seed: int,
                 workers: int | None = None) -> Iterator[dict[str, np.ndarray]]:
-    """``gemmalab.packing`` as ``data.train_batches`` builds it, without its prefetch thread;
-    ``workers``: under grain's ``mp_prefetch`` with that many processes."""
-    from gemmalab.grain_batches import PackedBatchDataset
+    """``gemmalab.data.packing`` as ``grain_batches.train_batches`` builds it, without its prefetch
+    thread; ``workers``: under grain's ``mp_prefetch`` with that many processes."""
+    from gemmalab.data.grain_batches import PackedBatchDataset
 
-    dataset = PackedBatchDataset(data.WindowSource(split, maxlen), rows_per_batch=batch,
+    dataset = PackedBatchDataset(packing.WindowSource(split, maxlen), rows_per_batch=batch,
                                  packing=True, seed=seed)
     if workers is None:
         return iter(dataset)
@@ -139,14 +139,14 @@ def main() -> None:
 
     flags.FLAGS.mark_as_parsed()  # grain's worker processes read absl flags
     from gemmalab.config import TrainConfig
-    from gemmalab.experiment import prepare_data
+    from gemmalab.data.preparation import prepare_data
 
     config = TrainConfig(cache_dir=args.cache_dir, maxlen=args.maxlen)
     prepared = prepare_data(config)
     split = prepared.cache.train
-    rule = data.SplitRule(config.eval_fraction, config.max_eval_stories)
-    stories = list(data.training_stories(prepared.corpus.path, rule, config.datacount))
-    windows = data.WindowSource(split, args.maxlen)
+    rule = documents.SplitRule(config.eval_fraction, config.max_eval_stories)
+    stories = list(documents.training_stories(prepared.corpus.path, rule, config.datacount))
+    windows = packing.WindowSource(split, args.maxlen)
     print(f"embedded corpus: {len(stories):,} train stories, {len(windows):,} windows, "
           f"{windows.num_targets:,} targets; batch {args.batch} x {args.maxlen}; "
           f"{os.cpu_count()} CPUs")
@@ -160,8 +160,8 @@ def main() -> None:
             args.seconds),
         "grain best-fit, 1,024 bins (before)": measure(
             lambda: grain_best_fit_batches(split, **shape), args.seconds),
-        "plan + gather (gemmalab.packing)": measure(lambda: new_batches(split, **shape),
-                                                    args.seconds),
+        "plan + gather (gemmalab.data.packing)": measure(lambda: new_batches(split, **shape),
+                                                         args.seconds),
     }
     os.sched_setaffinity(0, all_cpus)
     # Under mp_prefetch worker i makes batches i, i + n, … (set_slice), straight into shared

@@ -10,7 +10,7 @@ matters), with a SentencePiece tokenizer trained on the embedded corpus:
    logits on the same tokens as gemma's model (rows longer than the sliding window, so the local
    layers' masks are exercised), max abs difference against ``--tolerance``;
 2. ``export_peft`` -> ``PeftModel.from_pretrained`` on the HF base: logits against gemma's LoRA
-   model (``gemmalab.lora``, scale alpha / rank);
+   model (``gemmalab.model.lora``, scale alpha / rank);
 3. the tokenizer files -> ``AutoTokenizer``: the same ids as SentencePiece, the chat template;
 4. import back: the directory transformers itself saves (``save_pretrained``) read by
    ``load_hf_params`` equals the original params; the real ``safetensors`` reads our files;
@@ -41,14 +41,15 @@ def gemma_setup(out: Path):
     import jax
     import jax.numpy as jnp
 
-    from gemmalab import corpus, data, lora, models, tokenizer
+    from gemmalab.data import corpus, documents, tokenizer
+    from gemmalab.model import lora, presets
 
     stories = corpus.write_corpus(out / "stories.txt", 2000, seed=0)
-    sp_path = tokenizer.train_local_tokenizer(data.iter_stories(str(stories)),
+    sp_path = tokenizer.train_local_tokenizer(documents.iter_stories(str(stories)),
                                               out / "tokenizer.model", vocab_size=VOCAB)
-    config = models.model_config("gemma3-tiny", VOCAB)
-    model = models.build_model(config, param_dtype=jnp.float32)
-    params = models.init_params(model, seed=0, sample_length=8)
+    config = presets.model_config("gemma3-tiny", VOCAB)
+    model = presets.build_model(config, param_dtype=jnp.float32)
+    params = presets.init_params(model, seed=0, sample_length=8)
     rng = np.random.default_rng(0)
     params = jax.tree_util.tree_map_with_path(
         lambda path, w: (w + rng.normal(0, 0.3, w.shape).astype(np.float32)
@@ -125,12 +126,12 @@ def import_back(results: dict, hf_model, params, out: Path, ours: Path) -> None:
     import jax
     from safetensors.numpy import load_file
 
-    from gemmalab import export, safetensors_io
+    from gemmalab.weights import hf_layout, safetensors_io
 
     saved_by_hf = out / "saved-by-transformers"
     hf_model.save_pretrained(saved_by_hf)
     abstract = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, np.float32), params)
-    loaded = export.load_hf_params(saved_by_hf, abstract)
+    loaded = hf_layout.load_hf_params(saved_by_hf, abstract)
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
                zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True))
     by_library = load_file(str(ours / "model.safetensors"))
@@ -151,14 +152,15 @@ def trained_run_check(results: dict, run_dir: Path, out: Path, tolerance: float)
     import torch
     import transformers
 
-    from gemmalab import checkpoints, export, models
+    from gemmalab.model import presets
+    from gemmalab.weights import export, orbax_params
 
     hf_dir = out / "run-hf"
     export.export_run(run_dir, "hf", hf_dir, dtype="float32")
     summary = json.loads((run_dir / "summary.json").read_text())
-    model = models.build_model(models.config_from_dict(summary["model_config"]),
-                               param_dtype=jnp.float32)
-    params = checkpoints.load_params(str(run_dir / "params"))
+    model = presets.build_model(presets.config_from_dict(summary["model_config"]),
+                                param_dtype=jnp.float32)
+    params = orbax_params.load_params(str(run_dir / "params"))
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     stops = json.loads((hf_dir / "generation_config.json").read_text())["eos_token_id"]
     prompt = tokenizer(TEXT.split(". ")[0] + ".")["input_ids"]
@@ -202,7 +204,8 @@ def main() -> int:
     import torch
     import transformers
 
-    from gemmalab import export, lora
+    from gemmalab.model import lora
+    from gemmalab.weights import hf_layout, peft_adapters
 
     torch.set_num_threads(2)
     started = time.perf_counter()
@@ -214,23 +217,23 @@ def main() -> int:
                      "tokens": list(tokens.shape)}
     want = gemma_logits(model, params, tokens)
 
-    export.export_hf(params, config, sp_path, out / "hf-f32", dtype="float32")
+    hf_layout.export_hf(params, config, sp_path, out / "hf-f32", dtype="float32")
     got, hf_model = hf_logits(out / "hf-f32", tokens)
     check(results, "hf float32 export", got, want, args.tolerance)
 
-    export.export_hf(params, config, sp_path, out / "hf-bf16")
+    hf_layout.export_hf(params, config, sp_path, out / "hf-bf16")
     got, _ = hf_logits(out / "hf-bf16", tokens)
     check(results, "hf bfloat16 export (vs rounded)", got,
           gemma_logits(model, bf16_rounded(params), tokens), args.tolerance)
 
-    export.export_hf(params, config, sp_path, out / "hf-sharded", dtype="float32",
-                     max_shard_bytes=500_000)
+    hf_layout.export_hf(params, config, sp_path, out / "hf-sharded", dtype="float32",
+                        max_shard_bytes=500_000)
     got, _ = hf_logits(out / "hf-sharded", tokens)
     check(results, "hf sharded export", got, want, args.tolerance)
 
     lora_model = lora.wrap(model, rank=RANK, alpha=ALPHA, modules="all", dtype=np.float32)
-    export.export_peft(adapters, config, out / "peft", rank=RANK, alpha=ALPHA,
-                       base_model_name_or_path=str(out / "hf-f32"))
+    peft_adapters.export_peft(adapters, config, out / "peft", rank=RANK, alpha=ALPHA,
+                              base_model_name_or_path=str(out / "hf-f32"))
     got, _ = hf_logits(out / "hf-f32", tokens, adapter_dir=out / "peft")
     check(results, "peft adapter on hf base", got,
           gemma_logits(lora_model, lora.join(params, adapters), tokens), args.tolerance)

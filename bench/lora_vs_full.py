@@ -20,7 +20,7 @@ import tempfile
 
 def run_one(settings: dict) -> dict:
     from gemmalab.config import TrainConfig
-    from gemmalab.experiment import Experiment
+    from gemmalab.train.experiment import Experiment
 
     with tempfile.TemporaryDirectory() as output_dir:
         config = TrainConfig(output_dir=output_dir, tokenize_workers=1, eval_every=0,

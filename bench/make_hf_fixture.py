@@ -4,9 +4,9 @@ Gemma 3 of gemmalab's tiny preset's dimensions (names, shapes, dtypes and config
     make interop   # installs torch, transformers, peft, safetensors into .interop/, then:
     .venv/bin/python bench/make_hf_fixture.py --site-packages .interop
 
-``tests/test_export.py`` checks gemmalab's exports against it without torch. The dimensions below
-are mapped by hand from the preset's gemma ``TransformerConfig`` (independently of
-``gemmalab.export``), then:
+``tests/weights/test_export.py`` checks gemmalab's exports against it without torch. The dimensions
+below are mapped by hand from the preset's gemma ``TransformerConfig`` (independently of
+``gemmalab.weights.export``), then:
 
 - ``Gemma3ForCausalLM(Gemma3TextConfig(...))`` in bfloat16, ``save_pretrained`` (safetensors):
   its ``config.json`` and every tensor's name, shape and dtype in ``model.safetensors``;
@@ -34,9 +34,9 @@ OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf_gemma3
 def tiny_text_config_kwargs() -> dict:
     from gemma.gm.nn import _modules
 
-    from gemmalab import models
+    from gemmalab.model import presets
 
-    cfg = models.model_config("gemma3-tiny", VOCAB)
+    cfg = presets.model_config("gemma3-tiny", VOCAB)
     return dict(
         vocab_size=cfg.num_embed, hidden_size=cfg.embed_dim, intermediate_size=cfg.hidden_dim,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,

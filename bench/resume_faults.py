@@ -32,8 +32,8 @@ PREEMPTED = 143
 def worker(config_json: str) -> int:
     """One start of the run: train (resuming if there are checkpoints), save the params."""
     from gemmalab.config import TrainConfig
-    from gemmalab.experiment import Experiment
-    from gemmalab.preemption import Preempted
+    from gemmalab.train.experiment import Experiment
+    from gemmalab.train.preemption import Preempted
 
     experiment = Experiment.prepare(TrainConfig(**json.loads(config_json)))
     try:
@@ -86,9 +86,9 @@ def params_difference(a: Path, b: Path) -> float:
     import jax
     import numpy as np
 
-    from gemmalab import checkpoints
+    from gemmalab.weights import orbax_params
 
-    left, right = checkpoints.load_params(str(a)), checkpoints.load_params(str(b))
+    left, right = orbax_params.load_params(str(a)), orbax_params.load_params(str(b))
     return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
                for x, y in zip(jax.tree.leaves(left), jax.tree.leaves(right), strict=True))
 

@@ -16,18 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab import mesh, models, training
+from gemmalab.model import mesh, presets
+from gemmalab.train import optimization
 
 
 def measure(model, params, device_mesh, batch, compute_dtype, steps: int) -> float:
-    schedule = training.learning_rate_schedule(1e-3, 1000, warmup_ratio=0.0, min_lr_ratio=1.0)
-    optimizer = training.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
-                                        max_grad_norm=1.0)
+    schedule = optimization.learning_rate_schedule(1e-3, 1000, warmup_ratio=0.0, min_lr_ratio=1.0)
+    optimizer = optimization.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
+                                            max_grad_norm=1.0)
     # The step donates its state: give each measurement its own copy of the weights.
-    state, shardings = training.init_state(jax.tree.map(jnp.copy, params), optimizer,
-                                           device_mesh)
-    step = training.make_train_step(model, optimizer, schedule, compute_dtype, device_mesh,
-                                    shardings)
+    state, shardings = optimization.init_state(jax.tree.map(jnp.copy, params), optimizer,
+                                               device_mesh)
+    step = optimization.make_train_step(model, optimizer, schedule, compute_dtype, device_mesh,
+                                        shardings)
     state, metrics = step(state, batch, None)  # compile (no frozen base: full fine-tuning)
     jax.block_until_ready(metrics)
     started = time.perf_counter()
@@ -46,9 +47,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
 
-    config = models.model_config(args.model, args.vocab)
-    model = models.build_model(config, param_dtype=jnp.float32)
-    params = models.init_params(model, seed=0, sample_length=args.maxlen)
+    config = presets.model_config(args.model, args.vocab)
+    model = presets.build_model(config, param_dtype=jnp.float32)
+    params = presets.init_params(model, seed=0, sample_length=args.maxlen)
     device_mesh = mesh.make_mesh()
     rng = np.random.default_rng(0)
     shape = (args.batch, args.maxlen)
@@ -59,7 +60,7 @@ def main() -> None:
         "loss_mask": np.ones(shape, np.int32),
         "positions": np.tile(np.arange(args.maxlen, dtype=np.int32), (args.batch, 1)),
     }, device_mesh)
-    print(f"{args.model} ({models.parameter_count(params):,} params), batch {args.batch} x "
+    print(f"{args.model} ({presets.parameter_count(params):,} params), batch {args.batch} x "
           f"{args.maxlen}, {jax.device_count()} x {jax.devices()[0].device_kind}")
     results = {}
     for name in ("float32", "bfloat16"):

@@ -40,10 +40,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import tutorial_loop  # noqa: E402 - bench/ is not a package
 
-from gemmalab import corpus, models, training  # noqa: E402
 from gemmalab.config import TrainConfig  # noqa: E402
-from gemmalab.experiment import Experiment  # noqa: E402
-from gemmalab.tokenizer import BOS_ID  # noqa: E402
+from gemmalab.data import corpus
+from gemmalab.data.tokenizer import BOS_ID
+from gemmalab.model import presets
+from gemmalab.train.experiment import Experiment
 
 
 class BitsPerByte:
@@ -74,7 +75,7 @@ class BitsPerByte:
 
     def _nll_sum(self, params: Any, tokens: jax.Array, targets: jax.Array, mask: jax.Array
                  ) -> jax.Array:
-        params = training.cast_params(params, jnp.bfloat16)
+        params = presets.cast_params(params, jnp.bfloat16)
         logits = self.model.apply({"params": params}, tokens).logits.astype(jnp.float32)
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
         return jnp.sum(nll * mask)
@@ -140,7 +141,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", default="")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                         help="another gemmalab contender with TrainConfig overrides, e.g. "
-                             "'bs32:batch_size=32' (repeatable): a recipe sweep in the same run")
+                        "'bs32:batch_size=32' (repeatable): a recipe sweep in the same run")
     args = parser.parse_args()
 
     workdir = tempfile.mkdtemp(prefix="time_to_quality_")
@@ -148,7 +149,7 @@ def main() -> None:
                          checkpoint_every=0, resume=False, output_dir=f"{workdir}/run",
                          cache_dir=args.cache_dir)
     lab = Experiment.prepare(config)
-    peak_lr = models.default_learning_rate(config.model, lora=False)
+    peak_lr = presets.default_learning_rate(config.model, lora=False)
     heldout_path = corpus.embedded_corpus_path(config.resolved_cache_dir / "corpus",
                                                args.heldout, seed=config.seed + 1000)
     bpb = BitsPerByte(lab.base_model, tutorial_loop.read_stories(str(heldout_path)),
@@ -201,8 +202,8 @@ def main() -> None:
 def lab_contender(name: str, lab: Experiment) -> Contender:
     """A gemmalab run driven step by step (its compiled step, its prefetched batches)."""
     step = lab.train_step
-    return Contender(name, lambda state, batch: step(state, batch, lab.frozen_params),
-                     lab.next_batch, lab.state, lambda state: state.params,
+    return Contender(name, lambda state, batch: step(state, batch, lab.weights.frozen),
+                     lab.next_batch, lab.weights.state, lambda state: state.params,
                      max_steps=lab.total_steps, bos=True)
 
 

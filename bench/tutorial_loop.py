@@ -78,15 +78,15 @@ class Beside:
 
 
 def beside(lab: Any, *, batch_size: int, learning_rate: float) -> Beside:
-    """The tutorial's loop on what the ``gemmalab.experiment.Experiment`` ``lab`` trains: its
+    """The tutorial's loop on what the ``gemmalab.train.experiment.Experiment`` ``lab`` trains: its
     model config and initial weights (in bfloat16), its corpus file (every story, read whole)
     and tokenizer, rows of its ``maxlen``."""
-    from gemmalab import models
+    from gemmalab.model import presets
 
     stories = read_stories(lab.data_stats["corpus_path"])
-    model = models.build_model(lab.model_config, param_dtype=jnp.bfloat16)
+    model = presets.build_model(lab.prepared.model_config, param_dtype=jnp.bfloat16)
     rows = batches(stories, lab.tokenizer, maxlen=lab.config.maxlen, batch_size=batch_size)
-    return Beside(state=init_state(model, lab.state.params, learning_rate),
+    return Beside(state=init_state(model, lab.weights.state.params, learning_rate),
                   next_batch=lambda: jax.device_put(np.asarray(next(rows), np.int32)),
                   stories=len(stories))
 

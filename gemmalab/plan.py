@@ -4,7 +4,7 @@ One description of the run (a ``TrainConfig``: model, mesh, batch, maxlen, remat
 accelerator (``"v6e:2x4"``, ``"v5p:2x2x2"``, ``"h200:8"``) give a ``MemoryPlan`` two ways:
 
 - ``estimate``, analytic and instant: weights, optimizer state and gradients from the real
-  parameter shapes cut by the real sharding rules (``gemmalab.sharding``), activations from a
+  parameter shapes cut by the real sharding rules (``gemmalab.model.sharding``), activations from a
   per-token count of what the backward pass keeps for each remat policy, and the loss's logits
   chunk. It needs no accelerator and is what ``train.ipynb`` checks before loading weights.
 - ``compile_plan``, exact (TPU targets): the real train step, lowered with abstract inputs and
@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gemmalab.config import REMAT_POLICIES, TrainConfig
+from gemmalab.config import AXES, DATA_AXIS, FSDP_AXIS, REMAT_POLICIES, TrainConfig
 from gemmalab.errors import ConfigError
 
-BATCH_FIELD_COUNT = 5  # int32 rows per batch: gemmalab.data.BATCH_FIELDS
+BATCH_FIELD_COUNT = 5  # int32 rows per batch: gemmalab.data.packing.FIELDS
 
 GIB = 1 << 30
 # A run "fits" when the plan stays under this share of the device's memory: the rest is the
@@ -254,7 +254,7 @@ def adapter_params(model_config: Any, config: TrainConfig, token_rows: int = 0) 
     ``{}`` without LoRA."""
     if not config.lora_rank:
         return {}
-    from gemmalab import lora
+    from gemmalab.model import lora
 
     return lora.abstract_adapters(model_config, rank=config.lora_rank,
                                   modules=config.lora_modules, dtype=config.param_dtype,
@@ -262,13 +262,13 @@ def adapter_params(model_config: Any, config: TrainConfig, token_rows: int = 0) 
 
 
 def resolved_mesh(config: TrainConfig, chips: int) -> dict[str, int]:
-    from gemmalab import mesh
+    from gemmalab.config import DATA_AXIS, resolve_mesh_shape
 
     if chips % config.num_slices:
         raise ConfigError("num_slices", f"{config.num_slices} does not divide {chips} chips",
                           "use the number of slices the chips come in")
-    sizes = mesh.resolve_shape(config.mesh, chips // config.num_slices)
-    return {**sizes, mesh.DATA_AXIS: sizes[mesh.DATA_AXIS] * config.num_slices}
+    sizes = resolve_mesh_shape(config.mesh, chips // config.num_slices)
+    return {**sizes, DATA_AXIS: sizes[DATA_AXIS] * config.num_slices}
 
 
 def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
@@ -277,20 +277,20 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
     import numpy as np
     from jax.sharding import AbstractMesh
 
-    from gemmalab import mesh, models, sharding
+    from gemmalab.model import presets, sharding
 
     if isinstance(accelerator, str):
         accelerator = parse_accelerator(accelerator)
     sizes = resolved_mesh(config, accelerator.chips)
-    abstract_mesh = AbstractMesh(tuple(sizes[a] for a in mesh.AXES), mesh.AXES)
-    data_ways = sizes[mesh.DATA_AXIS] * sizes[mesh.FSDP_AXIS]
+    abstract_mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
+    data_ways = sizes[DATA_AXIS] * sizes[FSDP_AXIS]
     if config.batch_size % (data_ways * config.grad_accum_steps):
         raise ConfigError("batch_size", f"{config.batch_size} rows do not split over "
                           f"{data_ways} data-parallel ways x {config.grad_accum_steps} "
                           f"micro-batches (mesh {sizes})",
                           f"use a multiple of {data_ways * config.grad_accum_steps}")
     vocab = vocab_size_hint(config)
-    model_config = models.model_config(config.model, vocab)
+    model_config = presets.model_config(config.model, vocab)
     params = abstract_params(model_config, config.param_dtype)
     p_size = np.dtype(config.param_dtype).itemsize
     c_size = np.dtype(jax.numpy.dtype(config.compute_dtype)).itemsize
@@ -303,8 +303,8 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
                                zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim, strict=False))
         module = sharding.dict_path(path)[0]
         shards[module] = shards.get(module, 0) + per_device
-        if mesh.FSDP_AXIS in tuple(spec):
-            gathered[module] = gathered.get(module, 0) + per_device * sizes[mesh.FSDP_AXIS]
+        if FSDP_AXIS in tuple(spec):
+            gathered[module] = gathered.get(module, 0) + per_device * sizes[FSDP_AXIS]
     num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
     # Without LoRA every weight trains; with it the adapters (replicated) train and the base
     # weights are held once, frozen, in the compute dtype.
@@ -364,7 +364,7 @@ def _weight_copy_bytes(shards: dict[str, int], gathered: dict[str, int], remat: 
 
 
 def _runs_splash(config: TrainConfig, accelerator: Accelerator) -> bool:
-    from gemmalab import attention
+    from gemmalab.model import attention
 
     return attention.resolve(config.attention, accelerator.platform) == "splash"
 
@@ -373,7 +373,7 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
                       c_size: int, *, splash: bool = False) -> int:
     """What the backward pass keeps of one micro-batch, plus one block's working set.
 
-    ``splash``: attention by the splash kernel (gemmalab.attention), which keeps no scores.
+    ``splash``: attention by the splash kernel (gemmalab.model.attention), which keeps no scores.
     """
     tensor = sizes["tensor"]
 
@@ -406,7 +406,7 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
 def _logits_bytes(config: TrainConfig, sizes: dict[str, int], vocab: int, data_ways: int) -> int:
     """The loss's logits chunk: float32 values and half as much again for the softmax and its
     gradient (as compiled, docs/scaling.md)."""
-    from gemmalab.training import LOSS_CHUNK_LOGITS
+    from gemmalab.model.cross_entropy import LOSS_CHUNK_LOGITS
 
     tokens = config.batch_size // config.grad_accum_steps * config.maxlen
     chunk = max(1, min(tokens, LOSS_CHUNK_LOGITS // vocab))
@@ -573,6 +573,11 @@ def require_fits(config: TrainConfig, accelerator: Accelerator) -> MemoryPlan:
 # The exact plan: libtpu compiles the real step for a TPU topology.
 
 
+# The exact plan compiles the train step itself: the train stage does that, in this subprocess
+# (libtpu must load in a process of its own). A JSON request in, one JSON line out.
+AOT_COMPILER = "gemmalab.train.aot"
+
+
 def find_libtpu() -> str | None:
     """libtpu.so: ``$GEMMALAB_LIBTPU``, ``$TPU_LIBRARY_PATH``, the checkout's ``.libtpu/`` (``make
     libtpu``), or an installed ``libtpu`` package (TPU images)."""
@@ -595,8 +600,8 @@ def compile_plan(config: TrainConfig, accelerator: Accelerator | str, *,
                  timeout_s: float = 3600) -> MemoryPlan:
     """The exact plan: XLA's memory analysis of the step compiled by libtpu for the topology.
 
-    Runs ``python -m gemmalab.plan`` in a subprocess that loads libtpu (CPU-only machines
-    welcome); the analytic estimate rides along for comparison.
+    Runs ``AOT_COMPILER`` (the train stage's step, compiled ahead of time) in a subprocess that
+    loads libtpu (CPU-only machines welcome); the analytic estimate rides along for comparison.
     """
     if isinstance(accelerator, str):
         accelerator = parse_accelerator(accelerator)
@@ -615,7 +620,7 @@ def compile_plan(config: TrainConfig, accelerator: Accelerator | str, *,
            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     # The whole config: a field the compiled step depends on cannot be left out.
     request = json.dumps({"config": config.to_dict(), "accelerator": accelerator.name})
-    result = subprocess.run([sys.executable, "-m", "gemmalab.plan", "--compile", request],
+    result = subprocess.run([sys.executable, "-m", AOT_COMPILER, request],
                             env=env, capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-15:])
@@ -626,66 +631,10 @@ def compile_plan(config: TrainConfig, accelerator: Accelerator | str, *,
                                compile_seconds=compiled["seconds"], analytic=analytic)
 
 
-def _compile_here(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any]:
-    """In the subprocess: lower and compile the train step for the topology's devices."""
-    import time
-
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from jax.experimental import topologies
-
-    from gemmalab import data, lora, mesh, models, sharding, training
-
-    start = time.perf_counter()
-    topology = topologies.get_topology_desc(platform="tpu", topology_name=accelerator.topology)
-    device_mesh = mesh.make_mesh(config.mesh, topology.devices, num_slices=config.num_slices)
-    model_config = models.model_config(config.model, vocab_size_hint(config))
-    model = models.build_model(model_config, param_dtype=jnp.dtype(config.param_dtype),
-                               remat=config.remat, attention=config.attention, mesh=device_mesh)
-    params = abstract_params(model_config, config.param_dtype)
-    frozen = frozen_shardings = None
-    if config.lora_rank:  # the state: adapters; the base: a compute-dtype argument
-        model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha,
-                          modules=config.lora_modules, dtype=jnp.dtype(config.param_dtype))
-        base = abstract_params(model_config, config.compute_dtype)
-        frozen_shardings = sharding.param_sharding(base, device_mesh)
-        frozen = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                                                       sharding=where),
-                              base, frozen_shardings)
-        params = adapter_params(model_config, config)
-    schedule = optax.constant_schedule(1e-5)
-    optimizer = training.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
-                                        max_grad_norm=1.0)
-    shardings = training.state_sharding(params, optimizer, device_mesh)
-    abstract_state = training.abstract_state(params, optimizer, shardings)
-    rows = jax.ShapeDtypeStruct((config.batch_size, config.maxlen), jnp.int32,
-                                sharding=mesh.batch_sharding(device_mesh))
-    batch = {name: rows for name in data.BATCH_FIELDS}
-    step = training.make_train_step(model, optimizer, schedule, jnp.dtype(config.compute_dtype),
-                                    device_mesh, shardings,
-                                    grad_accum_steps=config.grad_accum_steps,
-                                    frozen_shardings=frozen_shardings)
-    compiled = step.lower(abstract_state, batch, frozen).compile()
-    memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    breakdown = {
-        "arguments": int(memory.argument_size_in_bytes),
-        "outputs_not_aliased": int(memory.output_size_in_bytes - memory.alias_size_in_bytes),
-        "temporaries": int(memory.temp_size_in_bytes),
-        "code": int(memory.generated_code_size_in_bytes),
-    }
-    # cost_analysis counts one device's program; the step's FLOPs are every device's.
-    flops = float(cost.get("flops", 0.0)) * len(topology.devices)
-    return {"breakdown": breakdown, "flops": flops, "seconds": time.perf_counter() - start}
-
-
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description="Per-device memory of a gemmalab training run.")
-    parser.add_argument("--compile", metavar="JSON", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="gemma3-270m")
     parser.add_argument("--accelerator", default="v6e")
     parser.add_argument("--mesh", default=None, help='JSON, e.g. \'{"fsdp": -1}\'')
@@ -705,11 +654,6 @@ def main(argv: list[str] | None = None) -> None:
         print("|" + "---|" * len(rows[0]))
         for row in rows:
             print("| " + " | ".join(str(v) for v in row.values()) + " |")
-        return
-    if args.compile:
-        request = json.loads(args.compile)
-        config = TrainConfig(**request["config"])
-        print(json.dumps(_compile_here(config, parse_accelerator(request["accelerator"]))))
         return
     config = TrainConfig(model=args.model, mesh=json.loads(args.mesh) if args.mesh else None,
                          batch_size=args.batch_size, maxlen=args.maxlen, remat=args.remat,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 from gemmalab.errors import ConfigError
 
@@ -67,3 +68,18 @@ def exists(path: str | os.PathLike) -> bool:
 
         return epath.Path(path).exists()
     return os.path.exists(path)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write a whole file: locally through a temporary file and a rename, so a reader (another
+    process sharing the cache) never sees half of it; on gs:// as one object."""
+    if is_gcs(path):
+        from etils import epath
+
+        epath.Path(path).write_bytes(data)
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    partial.write_bytes(data)
+    os.replace(partial, path)

@@ -11,7 +11,9 @@ session's own directory, so another session (e.g. other CPU flags) never reads i
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -22,8 +24,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
+# tests/<stage>/ mirrors gemmalab/<stage>/. Test modules reuse helpers across those folders
+# (e.g. model/test_lora.py resumes runs with train/test_resume.py's helpers): each folder is on
+# the path, as pytest's default import mode puts a test module's own folder there.
+TESTS = Path(__file__).resolve().parent
+STAGE_FOLDERS = ("data", "inspect", "k8s", "model", "train", "weights")
+sys.path[:0] = [str(TESTS / folder) for folder in STAGE_FOLDERS]
+
 import socket  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from notebook_regression import (  # noqa: E402, F401
@@ -32,7 +40,7 @@ from notebook_regression import (  # noqa: E402, F401
     pytest_configure,
 )
 
-from gemmalab import corpus  # noqa: E402
+from gemmalab.data import corpus  # noqa: E402
 
 PROMPT = "Once upon a time, there was a girl named Amy."
 

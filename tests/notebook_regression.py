@@ -10,8 +10,9 @@ loss. Here an output must match its stored copy as follows:
 - each such number may move by ``rtol`` relative, plus one unit of its last printed digit (the
   copy and the new run may round a value on either side of a boundary);
 - an output carrying model continuations (``gemmalab/samples`` in its metadata, from
-  ``gemmalab.reports.SamplesView``) is compared through them: labels and prompts exactly, texts on
-  the part both runs decided with a clear margin (see ``gemmalab.sampling``); the rendering
+  ``gemmalab.inspect.reports.SamplesView``) is compared through them: labels and prompts exactly,
+  texts on the part both runs decided with a clear margin (see ``gemmalab.model.sampling``); the
+  rendering
   itself is covered by unit tests.
 
 The tolerance is ``--nbval-rtol`` (default ``DEFAULT_RTOL``), or ``nbval-rtol=X`` as a cell tag.
@@ -34,7 +35,7 @@ from typing import Any
 import pytest
 from nbval.plugin import IPyNbCell, IPyNbFile
 
-from gemmalab.reports import SAMPLES_METADATA_KEY
+from gemmalab.inspect.reports import SAMPLES_METADATA_KEY
 
 # The notebook copies run in float32: CPU-to-CPU spread of their losses measured ~1e-8 relative
 # (SSE4.2 vs AVX, 1 vs 2 threads). 1e-4 leaves ~4 orders of magnitude; a real regression (the

@@ -110,7 +110,7 @@ MUTANTS = {
     "lr_doubled": "learning_rate = 6e-3",
     # The loss mask dropped: padding becomes a target, as in the tutorial.
     "mask_dropped": (
-        "import gemmalab.training as _training\n"
+        "import gemmalab.train.optimization as _training\n"
         "_masked = _training.masked_cross_entropy\n"
         "_training.masked_cross_entropy = lambda logits, targets, mask: "
         "_masked(logits, targets, mask | True)"),

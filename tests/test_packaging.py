@@ -43,7 +43,8 @@ def test_environment_yml_installs_from_the_same_pins():
 
 def test_importing_gemmalab_is_cheap_and_side_effect_free():
     code = (
-        "import sys, gemmalab.experiment, gemmalab.data, gemmalab.models, gemmalab.tokenizer;"
+        "import sys, gemmalab.train.experiment, gemmalab.data.documents;"
+        "import gemmalab.model.presets, gemmalab.data.tokenizer;"
         "import jax._src.distributed as d;"
         "assert 'gemma' not in sys.modules and 'tensorflow' not in sys.modules, 'gemma imported';"
         "assert d.global_state.client is None, 'jax.distributed initialised'"

@@ -9,10 +9,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gemmalab import data, lora, mesh, models, plan, sharding, training
+from gemmalab import plan
 from gemmalab.config import TrainConfig
+from gemmalab.data import documents, packing, token_cache
 from gemmalab.errors import ConfigError
-from gemmalab.experiment import Experiment
+from gemmalab.model import lora, mesh, presets, sharding
+from gemmalab.train import optimization
+from gemmalab.train.experiment import Experiment
 
 GIB = plan.GIB
 
@@ -50,17 +53,17 @@ def test_weights_and_optimizer_bytes_are_those_of_the_real_shards(shape):
     optimizer bytes are what init_state places on each of 8 CPU devices."""
     config = _tiny(mesh=shape)
     estimate = plan.estimate(config, plan.attached_accelerator())
-    model = models.build_model(models.model_config("gemma3-tiny", 600), param_dtype=jnp.float32)
-    params = models.init_params(model, seed=0, sample_length=8)
-    optimizer = training.make_optimizer(training.learning_rate_schedule(
+    model = presets.build_model(presets.model_config("gemma3-tiny", 600), param_dtype=jnp.float32)
+    params = presets.init_params(model, seed=0, sample_length=8)
+    optimizer = optimization.make_optimizer(optimization.learning_rate_schedule(
         1e-3, 10, warmup_ratio=0.0, min_lr_ratio=1.0), weight_decay=0.0, b1=0.9, b2=0.95,
         max_grad_norm=1.0)
-    state, _ = training.init_state(params, optimizer, mesh.make_mesh(shape))
+    state, _ = optimization.init_state(params, optimizer, mesh.make_mesh(shape))
     assert estimate.mesh == {**{"data": 1, "fsdp": 1, "tensor": 1}, **shape}
     assert estimate.breakdown["params"] == sharding.shard_bytes(state.params)
     # AdamW's moments, plus its step counters (a few bytes).
     assert sharding.shard_bytes(state.opt_state) - estimate.breakdown["optimizer"] in range(0, 64)
-    assert estimate.num_params == models.parameter_count(params)
+    assert estimate.num_params == presets.parameter_count(params)
 
 
 @pytest.mark.parametrize("shape", [{"data": 8}, {"fsdp": 8}])
@@ -69,21 +72,21 @@ def test_a_lora_plan_holds_the_frozen_base_once_and_trains_only_adapters(shape):
     and their moments: the bytes a LoRA run's state and frozen base take on each device."""
     config = _tiny(mesh=shape, lora_rank=4, compute_dtype="bfloat16")
     estimate = plan.estimate(config, plan.attached_accelerator())
-    model_config = models.model_config("gemma3-tiny", 600)
+    model_config = presets.model_config("gemma3-tiny", 600)
     device_mesh = mesh.make_mesh(shape)
-    base = models.init_params(models.build_model(model_config, param_dtype=jnp.bfloat16),
-                              seed=0, sample_length=8)
+    base = presets.init_params(presets.build_model(model_config, param_dtype=jnp.bfloat16),
+                               seed=0, sample_length=8)
     base = jax.device_put(base, sharding.param_sharding(base, device_mesh))
     adapters = lora.init_adapters(model_config, rank=4, modules="all", dtype="float32", seed=0)
-    optimizer = training.make_optimizer(training.learning_rate_schedule(
+    optimizer = optimization.make_optimizer(optimization.learning_rate_schedule(
         1e-3, 10, warmup_ratio=0.0, min_lr_ratio=1.0), weight_decay=0.0, b1=0.9, b2=0.95,
         max_grad_norm=1.0)
-    state, _ = training.init_state(adapters, optimizer, device_mesh)
+    state, _ = optimization.init_state(adapters, optimizer, device_mesh)
     assert estimate.breakdown["params"] == (sharding.shard_bytes(base)
                                             + sharding.shard_bytes(state.params))
     assert sharding.shard_bytes(state.opt_state) - estimate.breakdown["optimizer"] in range(0, 64)
     # Gradients (compute dtype) of the adapters alone.
-    assert estimate.breakdown["gradients"] == 2 * models.parameter_count(adapters)
+    assert estimate.breakdown["gradients"] == 2 * presets.parameter_count(adapters)
     full = plan.estimate(dataclasses.replace(config, lora_rank=0), plan.attached_accelerator())
     # No gradient for frozen weights: about 4 FLOPs per weight and token instead of 6.
     assert estimate.flops_per_step / full.flops_per_step == pytest.approx(4 / 6, abs=0.06)
@@ -121,7 +124,7 @@ def test_a_plan_is_written_as_json_with_the_contract_keys():
     assert document["per_device_gib"] == pytest.approx(
         sum(document["breakdown_bytes"].values()) / GIB, abs=1e-3)
     assert document["device_hbm_gib"] == 32 and document["mesh"] == {"data": 4, "fsdp": 1,
-                                                                   "tensor": 1}
+                                                                     "tensor": 1}
 
 
 # --- the refusal --------------------------------------------------------------------------
@@ -170,9 +173,9 @@ def test_training_refuses_before_tokenizing_or_loading_weights(four_gib_devices,
     def forbidden(*args, **kwargs):
         raise AssertionError("expensive work started")
 
-    monkeypatch.setattr(data, "load_or_build_token_cache", forbidden)
-    monkeypatch.setattr(data, "resolve_corpus", forbidden)
-    monkeypatch.setattr(models, "build_model", forbidden)
+    monkeypatch.setattr(token_cache, "load_or_build_token_cache", forbidden)
+    monkeypatch.setattr(documents, "resolve_corpus", forbidden)
+    monkeypatch.setattr(presets, "build_model", forbidden)
     config = TrainConfig(model="gemma3-4b", tokenizer="gemma3", batch_size=8, maxlen=64,
                          output_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="^mesh: gemma3-4b needs ~"):
@@ -217,9 +220,8 @@ def test_the_exact_plan_needs_a_tpu_target_and_libtpu(monkeypatch):
 
 
 def test_the_planned_batch_counts_every_batch_field():
-    from gemmalab import data
 
-    assert len(data.BATCH_FIELDS) == plan.BATCH_FIELD_COUNT
+    assert len(packing.FIELDS) == plan.BATCH_FIELD_COUNT
 
 
 @needs_libtpu

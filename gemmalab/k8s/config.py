@@ -202,11 +202,11 @@ class ClusterConfig:
 
     def _data_parallel_size(self) -> int:
         """How many ways the batch splits on this cluster (the mesh's data x fsdp)."""
-        from gemmalab import mesh
+        from gemmalab.config import resolve_mesh_shape
 
         per_slice = self.total_devices // self.num_slices
         try:
-            sizes = mesh.resolve_shape(self.params.get("mesh"), per_slice)
+            sizes = resolve_mesh_shape(self.params.get("mesh"), per_slice)
         except ConfigError as e:
             raise ConfigError(f"params.{e.parameter}", f"{e.problem} (per slice of "
                               f"{self.describe()})", e.fix) from None

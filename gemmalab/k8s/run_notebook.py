@@ -6,7 +6,7 @@ papermill passes nothing on to the kernel it started, so the training loop would
 Here papermill and its kernel start with SIGTERM ignored; a SIGTERM to this process is forwarded
 to all of papermill's descendants (the kernel runs in a session of its own, so a process group
 would miss it), where only the training loop listens
-(``gemmalab.preemption.StopRequest``): it finishes its step, saves a checkpoint and stops.
+(``gemmalab.train.preemption.StopRequest``): it finishes its step, saves a checkpoint and stops.
 papermill then writes the notebook with the ``Preempted`` line, and this process exits with
 ``PREEMPTED_EXIT_CODE``, which the manifests' pod failure policies retry without counting it
 as a failure. The next pod resumes from the checkpoint.

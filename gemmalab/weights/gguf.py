@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gemmalab import safetensors_io
+from gemmalab import storage
 from gemmalab.errors import ConfigError
+from gemmalab.weights import safetensors_io
 
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
@@ -445,7 +446,7 @@ def file_sha256(path: str | os.PathLike, cache_dir: Path) -> str:
                 digest.update(block)
         known[key] = digest.hexdigest()
         memo.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(memo, json.dumps(known, indent=1).encode())
+        storage.write_bytes(memo, json.dumps(known, indent=1).encode())
     return known[key]
 
 
@@ -514,8 +515,3 @@ class _progress_bar:  # noqa: N801 - a context manager used like a function
     def __exit__(self, *exc: Any) -> None:
         self.bar.close()
 
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    partial = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    partial.write_bytes(data)
-    os.replace(partial, path)

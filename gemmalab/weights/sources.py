@@ -20,9 +20,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gemmalab import gemma_lib, models, storage
+from gemmalab import gemma_lib, storage
 from gemmalab.errors import ConfigError
-from gemmalab.weights import embedded, gguf
+from gemmalab.model import presets
+from gemmalab.weights import embedded, gguf, hf_layout, orbax_params
 
 RANDOM, ORBAX, HF, GGUF = "random", "orbax", "hf", "gguf"
 
@@ -45,7 +46,7 @@ def resolve(spec: str, preset_name: str, cache_dir: Path) -> ResolvedCheckpoint:
         return _checked_gguf(path, spec, preset_name, cache_dir)
     gm = gemma_lib.gm()
     names = [m.name for m in gm.ckpts.CheckpointPath]
-    preset = models.PRESETS[preset_name]
+    preset = presets.PRESETS[preset_name]
     if spec.upper() in names:
         name = spec.upper()
         if name not in preset.checkpoints:
@@ -71,10 +72,9 @@ def resolve(spec: str, preset_name: str, cache_dir: Path) -> ResolvedCheckpoint:
             raise ConfigError("checkpoint", f"no checkpoint directory or GGUF file at {spec}",
                               "give the directory written by a run (output_dir/params), a "
                               "Hugging Face directory, a .gguf file or a CheckpointPath name")
-        from gemmalab import export
 
         return ResolvedCheckpoint(str(local.resolve()), spec,
-                                  HF if export.is_hf_dir(spec) else ORBAX)
+                                  HF if hf_layout.is_hf_dir(spec) else ORBAX)
     gemma3 = [n for n in names if n.startswith("GEMMA3_")]
     raise ConfigError("checkpoint", f"unknown checkpoint {spec!r}",
                       f"use a path, '' for random init, {list(embedded.SPECS)} or one of "
@@ -92,10 +92,10 @@ def _checked_gguf(path: Path, name: str, preset_name: str, cache_dir: Path) -> R
         model = gguf.inspect(path)
         shape = model.shape_fields()
         _record_shape(path, cache_dir, shape)
-    config = models.model_config(preset_name, shape["num_embed"])
-    presets = {p: models.model_config(p, shape["num_embed"]) for p in models.PRESETS
-               if p != "gemma3-tiny"}
-    gguf.check_fits(_Stated(path, shape), config, preset_name, presets)
+    config = presets.model_config(preset_name, shape["num_embed"])
+    candidates = {p: presets.model_config(p, shape["num_embed"]) for p in presets.PRESETS
+                  if p != "gemma3-tiny"}
+    gguf.check_fits(_Stated(path, shape), config, preset_name, candidates)
     return ResolvedCheckpoint(str(Path(path).resolve()), name, GGUF, str(cache_dir))
 
 
@@ -135,10 +135,9 @@ def load(checkpoint: ResolvedCheckpoint, target: Any, *, text_only: bool = False
     import jax
     import numpy as np
 
-    from gemmalab import checkpoints, export
 
     if checkpoint.format == HF:
-        return export.load_hf_params(checkpoint.path, target)
+        return hf_layout.load_hf_params(checkpoint.path, target)
     if checkpoint.format == GGUF:
         dtypes = {np.dtype(leaf.dtype) for leaf in jax.tree.leaves(target)}
         cache_dtype = "float32" if np.dtype(np.float32) in dtypes else "bfloat16"
@@ -146,7 +145,7 @@ def load(checkpoint: ResolvedCheckpoint, target: Any, *, text_only: bool = False
         if not converted.is_file():
             converted = gguf.convert(gguf.inspect(checkpoint.path), Path(checkpoint.cache_dir),
                                      cache_dtype, progress=progress)
-        return export.load_hf_params(converted.parent, target)
+        return hf_layout.load_hf_params(converted.parent, target)
     if checkpoint.format == ORBAX:
-        return checkpoints.load_params(checkpoint.path, target=target, text_only=text_only)
+        return orbax_params.load_params(checkpoint.path, target=target, text_only=text_only)
     raise ValueError(f"no weights to load for {checkpoint.name}")

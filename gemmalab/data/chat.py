@@ -1,0 +1,112 @@
+"""Gemma's chat template: a conversation as text, and as token ids with a loss mask.
+
+The template is Gemma 3's (gemma's ``gm.text`` PROMPT/ANSWER, and its Hugging Face chat
+template)::
+
+    <bos><start_of_turn>user
+    Write a story about ...<end_of_turn>
+    <start_of_turn>model
+    Once upon a time ...<end_of_turn>
+
+Gemma has no system role: a system text is folded into the first user turn (``system + "\\n\\n"
++ user``, as Gemma 3's own template does). Like gemma's ``Seq2SeqTask``, a training document
+ends with the last model turn's ``<end_of_turn>`` (no EOS): that is where a chat sampler stops.
+
+The loss mask marks the targets that bear loss: each model turn's content and its closing
+``<end_of_turn>`` (so the model learns to stop), never the user's text or the turn headers.
+
+Only the standard library and numpy are imported: encoding runs in tokenizer worker processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from gemmalab.errors import ConfigError
+
+START_OF_TURN = "<start_of_turn>"
+END_OF_TURN = "<end_of_turn>"
+USER, MODEL = "user", "model"
+BOS_ID = 2  # Gemma's (gemmalab.data.tokenizer.BOS_ID; not imported: that module pulls more in)
+
+Turn = tuple[str, str]  # (role, content)
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """Turns alternating user/model, starting with a user turn and ending with a model turn.
+
+    ``facts`` (optional, from the record's ``"facts"``) are what a reply should contain: the
+    task metric (gemmalab.inspect.task_metric) checks them on held-out conversations.
+    """
+
+    turns: tuple[Turn, ...]
+    facts: dict[str, str] | None = None
+
+    @property
+    def prompt_turns(self) -> tuple[Turn, ...]:
+        """Everything before the last model turn: what a sampler is given."""
+        return self.turns[:-1]
+
+    @property
+    def response(self) -> str:
+        return self.turns[-1][1]
+
+
+def turn_text(role: str, content: str) -> str:
+    return f"{START_OF_TURN}{role}\n{content}{END_OF_TURN}"
+
+
+def format_text(conversation: Conversation) -> str:
+    """The conversation as one training document (BOS excluded)."""
+    return "\n".join(turn_text(role, content) for role, content in conversation.turns)
+
+
+def prompt_text(turns: Sequence[Turn]) -> str:
+    """Turns ending with a user turn, then the header that asks the model to answer."""
+    history = "".join(turn_text(role, content) + "\n" for role, content in turns)
+    return f"{history}{START_OF_TURN}{MODEL}\n"
+
+
+def user_prompt(text: str) -> str:
+    """A single-turn prompt in the chat template (what a chat-trained model is sampled from)."""
+    return prompt_text([(USER, text)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokens and loss mask.
+
+
+def turn_token_ids(processor: Any) -> tuple[int, int]:
+    """The real ids of ``<start_of_turn>`` and ``<end_of_turn>`` in a SentencePiece model
+    (105/106 in Gemma 3's vocabulary, 10/11 in gemmalab's local one)."""
+    ids = (processor.PieceToId(START_OF_TURN), processor.PieceToId(END_OF_TURN))
+    if processor.unk_id() in ids:
+        raise ConfigError("tokenizer", f"it has no {START_OF_TURN}/{END_OF_TURN} pieces, which "
+                          "chat data needs", "use 'local', 'gemma3' or another Gemma tokenizer")
+    return ids
+
+
+def encode(processor: Any, conversation: Conversation) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, loss_mask)``: int32 ids of BOS + the template, and a uint8 mask of the same
+    length, 1 where that token, as a target, bears loss (model content and its end of turn).
+
+    Special tokens are inserted as their ids; only the text between them is encoded, each piece
+    on its own, so a reply is tokenized exactly as a sampler produces it after the prompt.
+    """
+    start, end = turn_token_ids(processor)
+    pieces: list[tuple[list[int], int]] = [([BOS_ID], 0)]
+    last = len(conversation.turns) - 1
+    for i, (role, content) in enumerate(conversation.turns):
+        target = int(role == MODEL)
+        header, body, gap = processor.EncodeAsIds([f"{role}\n", content, "\n"])
+        pieces += [([start, *header], 0), (body, target), ([end], target)]
+        if i < last:
+            pieces.append((gap, 0))
+    ids = np.concatenate([np.asarray(p, np.int32) for p, _ in pieces])
+    mask = np.concatenate([np.full(len(p), m, np.uint8) for p, m in pieces])
+    return ids, mask

@@ -1,0 +1,195 @@
+"""The corpus as documents: resolved, validated, read and split.
+
+TinyStories format (UTF-8, stories separated by ``<|endoftext|>``) is streamed and split into a
+deterministic held-out eval set and per-process train shards. Instruction/chat data (JSONL,
+``gemmalab.data.records``) is read as conversations in Gemma's chat template
+(``gemmalab.data.chat``). A file without any ``<|endoftext|>`` is rejected (it is almost always
+the wrong file or format); a single document is written as ``text<|endoftext|>``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from gemmalab import storage
+from gemmalab.config import EMBEDDED_INSTRUCTIONS
+from gemmalab.data import records
+from gemmalab.data.chat import Conversation
+from gemmalab.data.corpus import SEPARATOR
+from gemmalab.errors import ConfigError
+
+READ_CHUNK_BYTES = 8 << 20
+SEPARATOR_SCAN_BYTES = 64 << 20
+
+TEXT, CHAT = "text", "chat"  # Corpus.format
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A resolved data source: where it is and what identifies its content."""
+
+    path: str
+    fingerprint: str
+    embedded: bool
+    format: str = TEXT  # TEXT: <|endoftext|>-separated stories; CHAT: JSONL conversations
+    bad_records: int = 0  # JSONL records skipped (skip_bad_records)
+
+
+def resolve_corpus(data_path: str, *, cache_dir: Path, embedded_stories: int, seed: int,
+                   skip_bad_records: bool = False) -> Corpus:
+    """Validate ``data_path`` (or generate an embedded data set) before any expensive work."""
+    from gemmalab.data import corpus
+
+    if not data_path:
+        path = corpus.embedded_corpus_path(cache_dir / "corpus", embedded_stories, seed=seed)
+        return Corpus(str(path), _fingerprint(str(path)), embedded=True)
+    if data_path == EMBEDDED_INSTRUCTIONS:  # generated as JSONL, then read like a user's file
+        path = str(corpus.embedded_instructions_path(cache_dir / "corpus", embedded_stories,
+                                                     seed=seed))
+        return Corpus(path, _fingerprint(path), embedded=True, format=CHAT)
+    _require_data_file(data_path)
+    if records.is_jsonl(data_path):
+        counts = records.validate(data_path, skip_bad_records=skip_bad_records)
+        return Corpus(data_path, _fingerprint(data_path), embedded=False, format=CHAT,
+                      bad_records=counts.bad_records)
+    validate_data_file(data_path)
+    return Corpus(data_path, _fingerprint(data_path), embedded=False)
+
+
+def _require_data_file(path: str) -> None:
+    """Missing, unreadable or empty files fail here with a one-line fix."""
+    if storage.is_gcs(path):
+        storage.require_gcs_credentials("data_path", path)
+    if not storage.exists(path):
+        raise ConfigError("data_path", f"{path} does not exist",
+                          "point data_path at a TinyStories-format text file or a JSONL "
+                          "instruction file, or '' for the embedded corpus")
+    if not storage.is_gcs(path) and not os.path.isfile(path):
+        raise ConfigError("data_path", f"{path} is not a file", "name the text file itself")
+    if storage.file_size(path) == 0:
+        raise ConfigError("data_path", f"{path} is empty",
+                          "write stories separated by <|endoftext|> into it")
+
+
+def validate_data_file(path: str) -> None:
+    """Missing, empty, non-UTF-8 or separator-less text files fail here with a one-line fix."""
+    _require_data_file(path)
+    with storage.open_binary(path) as f:
+        head = f.read(SEPARATOR_SCAN_BYTES)
+    try:
+        text = codecs.getincrementaldecoder("utf-8")("strict").decode(head)
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e.start) from None
+    if SEPARATOR not in text:
+        scope = "" if len(head) < SEPARATOR_SCAN_BYTES else " in its first 64 MB"
+        raise ConfigError("data_path", f"{path} has no {SEPARATOR} separator{scope}",
+                          f"end every story (even a single document) with {SEPARATOR}, or "
+                          "give instruction data as .jsonl")
+    if not text.replace(SEPARATOR, "").strip():
+        raise ConfigError("data_path", f"{path} holds only separators and whitespace",
+                          "add story text between the separators")
+
+
+def _not_utf8(path: str, offset: int) -> ConfigError:
+    return ConfigError("data_path", f"{path} is not UTF-8 text (invalid byte at offset {offset})",
+                       "convert it, e.g. `iconv -f LATIN1 -t UTF-8 in.txt > out.txt`")
+
+
+def iter_stories(path: str) -> Iterator[str]:
+    """Stream stories (stripped, non-empty) without ever holding the file in memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    pending, offset = "", 0
+    with storage.open_binary(path) as f:
+        while chunk := f.read(READ_CHUNK_BYTES):
+            try:
+                pending += decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, offset + e.start) from None
+            offset += len(chunk)
+            *complete, pending = pending.split(SEPARATOR)
+            yield from _non_empty(complete)
+        try:
+            pending += decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, offset + e.start) from None
+    yield from _non_empty([pending])
+
+
+def _non_empty(pieces: list[str]) -> Iterator[str]:
+    for piece in pieces:
+        story = piece.strip().lstrip("\ufeff").strip()
+        if story:
+            yield story
+
+
+def _fingerprint(path: str) -> str:
+    """Content identity for cache keys: size, mtime and the first and last 4 MB."""
+    digest = hashlib.sha256()
+    size = storage.file_size(path)
+    digest.update(f"{size}".encode())
+    if not storage.is_gcs(path):
+        digest.update(str(os.stat(path).st_mtime_ns).encode())
+    with storage.open_binary(path) as f:
+        digest.update(f.read(4 << 20))
+        if size > 8 << 20:
+            f.seek(size - (4 << 20))
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRule:
+    """Deterministic assignment of story ``i`` to eval, or to one process's train shard."""
+
+    eval_fraction: float
+    max_eval_stories: int
+    process_index: int = 0
+    process_count: int = 1
+
+    @property
+    def eval_period(self) -> int:
+        return max(2, round(1 / self.eval_fraction))
+
+    def label_stories(self, stories: Iterator[str], datacount: int | None
+                      ) -> Iterator[tuple[str, str]]:
+        """Yield ("eval" | "train", story) for the stories this process needs."""
+        n_eval = n_train = 0
+        for i, story in enumerate(stories):
+            if datacount is not None and i >= datacount:
+                return
+            if i % self.eval_period == self.eval_period - 1 and n_eval < self.max_eval_stories:
+                n_eval += 1
+                yield "eval", story
+            else:
+                if n_train % self.process_count == self.process_index:
+                    yield "train", story
+                n_train += 1
+
+
+def iter_documents(path: str) -> Iterator[str] | Iterator[Conversation]:
+    """Stories of a text file, or the good conversations of a JSONL file."""
+    return records.iter_conversations(path) if records.is_jsonl(path) else iter_stories(path)
+
+
+def training_stories(path: str, rule: SplitRule, datacount: int | None) -> Iterator[str]:
+    """All train-split documents (every shard) as text: what a local tokenizer is trained on
+    (conversations in their chat template, whose turn markers it keeps whole)."""
+    from gemmalab.data.chat import format_text
+
+    whole = dataclasses.replace(rule, process_index=0, process_count=1)
+    labelled = whole.label_stories(iter_documents(path), datacount)
+    return (doc if isinstance(doc, str) else format_text(doc)
+            for label, doc in labelled if label == "train")
+
+
+def heldout_conversations(path: str, rule: SplitRule, datacount: int | None
+                          ) -> Iterator[Conversation]:
+    """The eval split's conversations (with their facts), as the token cache holds them."""
+    whole = dataclasses.replace(rule, process_index=0, process_count=1)
+    labelled = whole.label_stories(records.iter_conversations(path), datacount)
+    return (doc for label, doc in labelled if label == "eval")

@@ -1,0 +1,144 @@
+"""Data preparation for a run: corpus, tokenizer and token cache (``PreparedData``), then what the
+training loop reads (``TrainingData``): the checkpointable batch iterator, the eval batches, and
+the step counts every process agrees on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from gemmalab.config import TrainConfig
+from gemmalab.data import documents, grain_batches, packing, token_cache
+from gemmalab.data import tokenizer as tokenizers
+from gemmalab.data.documents import CHAT, Corpus, SplitRule
+from gemmalab.data.packing import WindowSource
+from gemmalab.data.token_cache import TokenCache
+from gemmalab.errors import ConfigError
+from gemmalab.model import presets
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedData:
+    """Corpus, tokenizer and token cache for a config: shared by training, data prep, sampling."""
+
+    corpus: Corpus
+    tokenizer: Any
+    tokenizer_info: Any
+    cache: TokenCache
+    model_config: Any
+
+
+def prepare_data(config: TrainConfig) -> PreparedData:
+    """Validate the data and tokenizer parameters, then load or build the token cache.
+
+    A second call with the same data parameters (e.g. data_prep.ipynb then train.ipynb) reuses
+    the cached tokenizer and tokens.
+    """
+    cache_dir = config.resolved_cache_dir
+    corpus = documents.resolve_corpus(config.data_path, cache_dir=cache_dir,
+                                      embedded_stories=config.embedded_stories, seed=config.seed,
+                                      skip_bad_records=config.skip_bad_records)
+    rule = SplitRule(config.eval_fraction, config.max_eval_stories,
+                     jax.process_index(), jax.process_count())
+    tokenizer, info = _load_tokenizer_everywhere(config, corpus, rule)
+    model_config = presets.model_config(config.model, info.vocab_size)
+    if info.vocab_size > model_config.num_embed:
+        raise ConfigError("tokenizer", f"its vocabulary ({info.vocab_size}) is larger than "
+                          f"{config.model}'s embedding ({model_config.num_embed})",
+                          "use the model's own tokenizer ('gemma3') or model='gemma3-tiny'")
+    cache = token_cache.load_or_build_token_cache(
+        corpus, info, rule=rule, datacount=config.datacount, cache_dir=cache_dir,
+        workers=config.tokenize_workers, train_on_prompt=config.train_on_prompt)
+    return PreparedData(corpus=corpus, tokenizer=tokenizer, tokenizer_info=info, cache=cache,
+                        model_config=model_config)
+
+
+def _load_tokenizer_everywhere(config: TrainConfig, corpus: Corpus, rule: SplitRule
+                               ) -> tuple[Any, Any]:
+    """Load (or train, on process 0 only, then share) the tokenizer."""
+    def load(stories_allowed: bool):
+        stories = (documents.training_stories(corpus.path, rule, config.datacount)
+                   if stories_allowed else None)
+        return tokenizers.load_tokenizer(
+            config.tokenizer, cache_dir=config.resolved_cache_dir, training_stories=stories,
+            vocab_size=config.tokenizer_vocab_size, corpus_fingerprint=corpus.fingerprint)
+
+    if config.tokenizer != "local" or jax.process_count() == 1:
+        return load(True)
+    # Several processes: one trains, the others receive the identical model over JAX's runtime.
+    from jax.experimental import multihost_utils
+
+    proto = load(True)[1].model_proto if jax.process_index() == 0 else b""
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(len(proto))))
+    buffer = np.frombuffer(proto.ljust(size, b"\0"), np.uint8)
+    proto = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer)))
+    path = tokenizers.local_tokenizer_path(config.resolved_cache_dir, corpus.fingerprint,
+                                           config.tokenizer_vocab_size)
+    if jax.process_index() != 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(proto)
+    multihost_utils.sync_global_devices("gemmalab-tokenizer")
+    return load(False)
+
+
+@dataclasses.dataclass
+class TrainingData:
+    """What the loop reads: this process's endless, checkpointable batch iterator and eval
+    batches, the step counts (the same on every process) and the data table (``stats``)."""
+
+    train_iterator: Any
+    eval_batches: list[dict[str, np.ndarray]]
+    steps_per_epoch: int
+    total_steps: int
+    stats: dict[str, Any]
+
+
+def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
+    """Windows, packing fill and step counts of the train split; its batches and the eval's."""
+    cache = prepared.cache
+    windows = WindowSource(cache.train, config.maxlen)
+    fill = packing.packed_fill(windows, seed=config.seed) if config.packing else 1.0
+    # Every process must count the same steps: totals and the mean fill of all shards.
+    local = np.asarray([windows.num_targets, len(windows), round(fill * 1e6)], np.int64)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 3)
+        local = np.asarray([*local[:, :2].sum(0), local[:, 2].mean()])
+    per_epoch = packing.steps_per_epoch(int(local[0]), int(local[1]),
+                                        batch_size=config.batch_size, maxlen=config.maxlen,
+                                        packing=config.packing, fill=float(local[2]) / 1e6)
+    total_steps = (config.max_steps if config.max_steps is not None
+                   else per_epoch * config.num_epochs)
+    iterator = grain_batches.train_batches(
+        cache.train, maxlen=config.maxlen, packing=config.packing, seed=config.seed,
+        rows_per_process=config.batch_size // jax.process_count())
+    evals = packing.eval_batches(cache.eval, maxlen=config.maxlen, batch_size=config.batch_size,
+                                 packing=config.packing, process_index=jax.process_index(),
+                                 process_count=jax.process_count())
+    stats = {"tokenizer": prepared.tokenizer_info.name,
+             **data_stats(prepared.corpus, cache, windows), "packed_fill": round(fill, 4)}
+    return TrainingData(train_iterator=iterator, eval_batches=evals, steps_per_epoch=per_epoch,
+                        total_steps=total_steps, stats=stats)
+
+
+def data_stats(corpus_: Corpus, cache: TokenCache, windows: WindowSource) -> dict[str, Any]:
+    """What a run trains on (``summary.json``'s "data"): cache counts, windows, and for chat
+    data the loss-bearing targets, conversations split over ``maxlen`` and bad records skipped.
+    """
+    chat = corpus_.format == CHAT
+    stats = {**cache.meta, "train_windows": len(windows),
+             "train_target_tokens": windows.num_targets}
+    if chat:
+        stats["train_loss_target_tokens"] = windows.num_loss_targets
+    split_key = "conversations_split_over_maxlen" if chat else "stories_split_over_maxlen"
+    stats[split_key] = windows.num_split_docs
+    stats.update({"corpus_path": corpus_.path, "embedded_corpus": corpus_.embedded})
+    if chat:
+        stats["bad_records_skipped"] = corpus_.bad_records
+    stats.pop("key", None)
+    return stats

@@ -1,0 +1,214 @@
+"""Base vs fine-tuned: samples side by side, held-out perplexity, and for instruction runs the
+task metric (sample_compare.ipynb)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gemmalab import gemma_lib, plan, storage
+from gemmalab.config import TrainConfig
+from gemmalab.data import chat, documents, packing
+from gemmalab.data.chat import Conversation
+from gemmalab.data.fact_matching import Reply, judge
+from gemmalab.data.preparation import PreparedData, prepare_data
+from gemmalab.errors import ConfigError
+from gemmalab.inspect import reports
+from gemmalab.inspect.task_metric import score_summary
+from gemmalab.model import mesh, presets, sampling, sharding
+from gemmalab.train import optimization
+from gemmalab.weights import orbax_params, sources
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """A named set of weights for one model architecture."""
+
+    name: str
+    params: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a finished training run left in its ``output_dir``."""
+
+    output_dir: str
+    config: TrainConfig
+    summary: dict[str, Any]
+    model: Any
+    data: PreparedData
+
+
+def load_run(output_dir: str) -> Run:
+    """Rebuild a run's config, model and data (tokenizer, eval split) from ``summary.json``."""
+    path = f"{output_dir}/summary.json"
+    if not storage.exists(path):
+        raise ConfigError("finetuned", f"no summary.json in {output_dir}",
+                          "run notebooks/train.ipynb with this output_dir first")
+    summary = json.loads(storage.read_bytes(path))
+    config = TrainConfig.from_dict(summary["params"])
+    prepared = prepare_data(config)
+    model = presets.build_model(presets.config_from_dict(summary["model_config"]),
+                                param_dtype=jnp.dtype(config.param_dtype))
+    return Run(output_dir=output_dir, config=config, summary=summary, model=model, data=prepared)
+
+
+def finetuned_params(run: Run) -> Contender:
+    return Contender("fine-tuned", orbax_params.load_params(f"{run.output_dir}/params"))
+
+
+def base_params(run: Run, checkpoint: str = "run") -> Contender:
+    """The weights the run started from (``"run"``), or any other checkpoint spec ('' = init),
+    in any format the run's ``checkpoint`` takes (``gemmalab.weights.sources``)."""
+    spec = run.config.checkpoint if checkpoint == "run" else checkpoint
+    resolved = sources.resolve(spec, run.config.model, run.config.resolved_cache_dir)
+    if not resolved.path:
+        params = presets.init_params(run.model, seed=run.config.seed,
+                                     sample_length=run.config.maxlen)
+        return Contender("base (random init)", params)
+    target = plan.abstract_params(run.model.config, run.config.param_dtype)
+    params = sources.load(resolved, target, text_only=presets.PRESETS[run.config.model].multimodal)
+    return Contender(f"base ({resolved.name})", params)
+
+
+def samples_table(run: Run, contenders: list[Contender], prompts: list[str], *,
+                  max_new_tokens: int, temperature: float, top_p: float, seed: int,
+                  chat: bool = False) -> reports.SamplesView:
+    """Continuations of every prompt by every contender, greedy and top-p, side by side.
+
+    ``.frame`` is the pandas table (rows: prompt x sampling, columns: contenders).
+    """
+    import pandas as pd
+
+    methods = {"greedy": {"temperature": 0.0},
+               f"top-p {top_p} T={temperature}": {"temperature": temperature, "top_p": top_p}}
+    compute = jnp.dtype(run.config.compute_dtype)
+    rows, continuations, labels = [], [], []
+    for contender in contenders:
+        for method, settings in methods.items():
+            produced = (chat_replies(run, contender, prompts, max_new_tokens=max_new_tokens,
+                                     seed=seed, **settings) if chat
+                        else sampling.continue_prompts(
+                            run.model, contender.params, run.data.tokenizer, list(prompts),
+                            max_new_tokens=max_new_tokens, compute_dtype=compute, seed=seed,
+                            **settings))
+            for continuation in produced:
+                rows.append({"prompt": continuation.prompt, "sampling": method,
+                             "model": contender.name, "continuation": continuation.text})
+                continuations.append(continuation)
+                labels.append(f"{contender.name} / {method}")
+    frame = pd.DataFrame(rows).pivot(index=["prompt", "sampling"], columns="model",
+                                     values="continuation")
+    return reports.SamplesView(tuple(continuations), tuple(labels), frame)
+
+
+def chat_replies(run: Run, contender: Contender, prompts: list[str], *, max_new_tokens: int,
+                 seed: int, temperature: float = 0.0, top_p: float = 1.0
+                 ) -> list[sampling.Continuation]:
+    """Single-turn replies through gemma's chat template (for instruction-tuned checkpoints)."""
+    gm = gemma_lib.gm()
+    params = presets.cast_params(contender.params, run.config.compute_dtype)
+    sampler = gm.text.ChatSampler(model=run.model, params=params, tokenizer=run.data.tokenizer,
+                                  sampling=sampling.sampling_method(temperature, top_p),
+                                  multi_turn=False,
+                                  cache_length=sampling.SAMPLER_CACHE_LENGTH,
+                                  max_out_length=max_new_tokens)
+    return [sampling.Continuation(prompt, sampler.chat(prompt, rng=seed)) for prompt in prompts]
+
+
+# ---------------------------------------------------------------------------------------------
+# The task metric (instruction runs): does each reply contain what its instruction asked for?
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskResult:
+    # pandas, per contender: the shares of task_metric.SCORE_COLUMNS (instructions followed,
+    # facts found, ended by itself, looped)
+    scores: Any
+    replies: reports.SamplesView  # every reply and its verdict (frame: instruction x contender)
+
+
+def task_instructions(run: Run, count: int) -> list[Conversation]:
+    """The first ``count`` held-out conversations that name facts ([] for story runs)."""
+    if run.data.corpus.format != documents.CHAT:
+        return []
+    rule = documents.SplitRule(run.config.eval_fraction, run.config.max_eval_stories)
+    held_out = documents.heldout_conversations(run.data.corpus.path, rule, run.config.datacount)
+    return list(itertools.islice((c for c in held_out if c.facts), count))
+
+
+def task_metric(run: Run, contenders: list[Contender], instructions: list[Conversation], *,
+                max_new_tokens: int, seed: int = 0) -> TaskResult:
+    """Greedy replies (chat template, stop at ``<end_of_turn>``) to held-out instructions by each
+    contender, judged by ``gemmalab.inspect.task_metric``: facts stated in the reply's own words
+    (not copied from the instruction), ended by itself, no loop."""
+    import pandas as pd
+
+    prompts = [chat.prompt_text(c.prompt_turns) for c in instructions]
+    asked = [instruction_text(c) for c in instructions]
+    facts = [c.facts or {} for c in instructions]
+    compute = jnp.dtype(run.config.compute_dtype)
+    scores, continuations, labels, columns = [], [], [], {}
+    for contender in contenders:
+        produced = sampling.continue_prompts(run.model, contender.params, run.data.tokenizer,
+                                             prompts, max_new_tokens=max_new_tokens,
+                                             compute_dtype=compute, seed=seed)
+        replies = [Reply(c.text, prompt=a, ended=c.ended)
+                   for c, a in zip(produced, asked, strict=True)]
+        scores.append({"model": contender.name, **score_summary(replies, facts)})
+        continuations += produced
+        labels += [contender.name] * len(produced)
+        columns[contender.name] = [r.text for r in replies]
+        columns[f"{contender.name}: verdict"] = [
+            judge(r, f).describe() for r, f in zip(replies, facts, strict=True)]
+    frame = pd.DataFrame({"instruction": [c.prompt_turns[-1][1] for c in instructions],
+                          "facts": [", ".join(f.values()) for f in facts], **columns})
+    table = pd.DataFrame(scores).set_index("model")
+    return TaskResult(table, reports.SamplesView(tuple(continuations), tuple(labels), frame))
+
+
+def instruction_text(conversation: Conversation) -> str:
+    """What the model was told (turn contents, no template markers): the text a reply must not
+    copy its facts from."""
+    return "\n".join(content for _, content in conversation.prompt_turns)
+
+
+def perplexity_table(run: Run, contenders: list[Contender]) -> Any:
+    """Held-out (eval split) loss and perplexity under each contender (pandas)."""
+    import pandas as pd
+
+    device_mesh = mesh.make_mesh(run.config.mesh, num_slices=run.config.num_slices)
+    batch_size = run.config.batch_size
+    mesh.check_batch_size(batch_size, device_mesh)
+    batches = packing.eval_batches(run.data.cache.eval, maxlen=run.config.maxlen,
+                                   batch_size=batch_size, packing=run.config.packing,
+                                   process_index=jax.process_index(),
+                                   process_count=jax.process_count())
+    # One architecture: one placement and one compiled step serve every contender.
+    shardings = sharding.param_sharding(contenders[0].params, device_mesh)
+    step = optimization.make_eval_step(run.model, jnp.dtype(run.config.compute_dtype), device_mesh,
+                                       shardings)
+    rows = []
+    for contender in contenders:
+        params = jax.device_put(contender.params, shardings)
+        loss, perplexity = optimization.evaluate(step, params, batches, device_mesh)
+        rows.append({"model": contender.name, "eval loss": loss, "perplexity": perplexity})
+    return pd.DataFrame(rows).set_index("model")
+
+
+def perplexity_figure(table: Any) -> Any:
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5, 3))
+    axis.bar(table.index, table["perplexity"], color=["tab:gray", "tab:green"][: len(table)])
+    axis.set_yscale("log")
+    axis.set_ylabel("held-out perplexity (log scale)")
+    for i, value in enumerate(table["perplexity"]):
+        axis.annotate(f"{value:.2f}", (i, value), ha="center", va="bottom")
+    figure.tight_layout()
+    return figure

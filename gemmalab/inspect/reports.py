@@ -1,0 +1,142 @@
+"""Tables (pandas) and plots (matplotlib) that the notebooks show."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gemmalab.model.sampling import Continuation
+    from gemmalab.plan import MemoryPlan
+
+# Output-metadata key under which continuations travel as data (see ``SamplesView``).
+SAMPLES_METADATA_KEY = "gemmalab/samples"
+
+SUMMARY_ROWS = (
+    "steps", "initial_train_loss", "final_train_loss", "initial_eval_loss", "final_eval_loss",
+    "initial_eval_perplexity", "final_eval_perplexity", "tokens_per_s", "useful_tokens_per_s",
+    "useful_token_share", "mean_step_time_s", "data_wait_share", "first_step_seconds",
+    "train_seconds", "model_flops_per_s", "mfu", "num_params", "peak_host_memory_gb", "devices",
+    "mesh",
+)
+
+
+def summary_table(summary: dict[str, Any]) -> Any:
+    """The run's headline figures as a one-column DataFrame."""
+    import pandas as pd
+
+    rows = {k: summary[k] for k in SUMMARY_ROWS if k in summary}
+    startup = summary.get("startup", {})
+    for phase in ("compile_s", "to_first_step_s"):  # the rest stays in summary.json
+        if phase in startup:
+            rows[f"startup_{phase}"] = startup[phase]
+    return pd.DataFrame({"value": pd.Series(rows, dtype=object)}).rename_axis("metric")
+
+
+def data_table(stats: dict[str, Any]) -> Any:
+    import pandas as pd
+
+    return pd.DataFrame({"value": pd.Series(stats, dtype=object)}).rename_axis("data")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplesView:
+    """Model continuations as a notebook shows them, with the continuations attached as data.
+
+    The rendering is a table (``frame``) or, without one, plain ``prompt + text`` lines. The
+    output's metadata carries each continuation's record (label, prompt, text, decided part), so
+    the notebook regression tests compare continuations as text rather than as rendered markup.
+    """
+
+    continuations: tuple[Continuation, ...]
+    labels: tuple[str, ...]
+    frame: Any = None
+
+    def records(self) -> list[dict[str, Any]]:
+        return [c.record(label) for c, label in zip(self.continuations, self.labels, strict=True)]
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> tuple[dict, dict]:
+        if self.frame is None:
+            data = {"text/plain": "\n".join(c.prompt + c.text for c in self.continuations)}
+        else:
+            styled = self.frame.style.set_properties(
+                **{"text-align": "left", "white-space": "pre-wrap"})
+            data = {"text/plain": self.frame.to_string(max_colwidth=None),
+                    "text/html": styled.to_html()}
+        return data, {SAMPLES_METADATA_KEY: self.records()}
+
+
+def continuation_view(continuation: Continuation, label: str = "") -> SamplesView:
+    """``prompt + continuation`` as one line of text."""
+    return SamplesView((continuation,), (label,))
+
+
+def samples_table(before: Continuation, after: Continuation) -> SamplesView:
+    """One prompt's continuation before and after training, side by side."""
+    import pandas as pd
+
+    frame = pd.DataFrame({"prompt": [before.prompt], "before training": [before.text],
+                          "after training": [after.text]}).T.rename(columns={0: "text"})
+    return SamplesView((before, after), ("before training", "after training"), frame)
+
+
+def loss_figure(history: list[dict[str, Any]], eval_history: list[dict[str, Any]]) -> Any:
+    """Train loss per step and eval loss at each evaluation, on one axis."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    axis.plot([r["step"] for r in history], [r["loss"] for r in history], label="train", lw=1)
+    axis.plot([r["step"] for r in eval_history], [r["eval_loss"] for r in eval_history], "o-",
+              label="eval")
+    axis.set_xlabel("step")
+    axis.set_ylabel("cross-entropy (nats/token)")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    return figure
+
+
+def plan_table(memory_plan: MemoryPlan) -> Any:
+    """Per-device GiB of each part of a memory plan, and the total against the device."""
+    import pandas as pd
+
+    gib = 1 << 30
+    rows = {part: size / gib for part, size in memory_plan.breakdown.items()}
+    rows["total"] = memory_plan.per_device_bytes / gib
+    rows["usable on the device"] = memory_plan.usable_bytes / gib
+    frame = pd.DataFrame({"GiB per device": pd.Series(rows)}).rename_axis("part")
+    if memory_plan.analytic is not None:  # a compiled plan: the estimate beside it
+        estimate = {part: size / gib for part, size in memory_plan.analytic.breakdown.items()}
+        estimate["total"] = memory_plan.analytic.per_device_bytes / gib
+        frame["analytic estimate"] = pd.Series(estimate)
+    return frame.round(3)
+
+
+def layouts_table(plans: list[MemoryPlan]) -> Any:
+    """One row per layout (mesh x remat): per-device GiB and whether it fits."""
+    import pandas as pd
+
+    return pd.DataFrame([{
+        "mesh": " ".join(f"{axis}={size}" for axis, size in p.mesh.items() if size > 1) or "1",
+        "remat": p.remat, "grad_accum_steps": p.grad_accum_steps,
+        "activations GiB": round(p.breakdown["activations"] / (1 << 30), 3),
+        "GiB per device": round(p.per_device_bytes / (1 << 30), 3), "fits": p.fits,
+    } for p in plans])
+
+
+def plan_figure(memory_plan: MemoryPlan) -> Any:
+    """A stacked bar of the plan's parts against the device's usable memory."""
+    import matplotlib.pyplot as plt
+
+    gib = 1 << 30
+    figure, axis = plt.subplots(figsize=(7, 2.8))
+    left = 0.0
+    for part, size in memory_plan.breakdown.items():
+        axis.barh([memory_plan.accelerator.name], [size / gib], left=left, label=part)
+        left += size / gib
+    axis.axvline(memory_plan.usable_bytes / gib, color="black", linestyle="--",
+                 label="usable")
+    axis.set_xlabel("GiB per device")
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.4), ncol=4, fontsize="small")
+    figure.tight_layout()
+    return figure

@@ -1,0 +1,88 @@
+"""The train step compiled ahead of time for a TPU topology, with no chip attached: the exact
+memory plan (``gemmalab.plan.compile_plan`` runs this module in a subprocess that loads libtpu).
+
+    python -m gemmalab.train.aot '{"config": {...}, "accelerator": "v6e:2x4"}'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from gemmalab.config import TrainConfig
+from gemmalab.plan import (
+    Accelerator,
+    abstract_params,
+    adapter_params,
+    parse_accelerator,
+    vocab_size_hint,
+)
+
+
+def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any]:
+    """Lower and compile the train step for the topology's devices: XLA's memory breakdown, its
+    FLOP count and the seconds it took."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.experimental import topologies
+
+    from gemmalab.data import packing
+    from gemmalab.model import lora, mesh, presets, sharding
+    from gemmalab.train import optimization
+
+    start = time.perf_counter()
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=accelerator.topology)
+    device_mesh = mesh.make_mesh(config.mesh, topology.devices, num_slices=config.num_slices)
+    model_config = presets.model_config(config.model, vocab_size_hint(config))
+    model = presets.build_model(model_config, param_dtype=jnp.dtype(config.param_dtype),
+                                remat=config.remat, attention=config.attention, mesh=device_mesh)
+    params = abstract_params(model_config, config.param_dtype)
+    frozen = frozen_shardings = None
+    if config.lora_rank:  # the state: adapters; the base: a compute-dtype argument
+        model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha,
+                          modules=config.lora_modules, dtype=jnp.dtype(config.param_dtype))
+        base = abstract_params(model_config, config.compute_dtype)
+        frozen_shardings = sharding.param_sharding(base, device_mesh)
+        frozen = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                                       sharding=where),
+                              base, frozen_shardings)
+        params = adapter_params(model_config, config)
+    schedule = optax.constant_schedule(1e-5)
+    optimizer = optimization.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
+                                            max_grad_norm=1.0)
+    shardings = optimization.state_sharding(params, optimizer, device_mesh)
+    abstract_state = optimization.abstract_state(params, optimizer, shardings)
+    rows = jax.ShapeDtypeStruct((config.batch_size, config.maxlen), jnp.int32,
+                                sharding=mesh.batch_sharding(device_mesh))
+    batch = {name: rows for name in packing.FIELDS}
+    step = optimization.make_train_step(model, optimizer, schedule, jnp.dtype(config.compute_dtype),
+                                        device_mesh, shardings,
+                                        grad_accum_steps=config.grad_accum_steps,
+                                        frozen_shardings=frozen_shardings)
+    compiled = step.lower(abstract_state, batch, frozen).compile()
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    breakdown = {
+        "arguments": int(memory.argument_size_in_bytes),
+        "outputs_not_aliased": int(memory.output_size_in_bytes - memory.alias_size_in_bytes),
+        "temporaries": int(memory.temp_size_in_bytes),
+        "code": int(memory.generated_code_size_in_bytes),
+    }
+    # cost_analysis counts one device's program; the step's FLOPs are every device's.
+    flops = float(cost.get("flops", 0.0)) * len(topology.devices)
+    return {"breakdown": breakdown, "flops": flops, "seconds": time.perf_counter() - start}
+
+
+def main(argv: list[str] | None = None) -> None:
+    request = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    config = TrainConfig(**request["config"])
+    print(json.dumps(compile_step(config, parse_accelerator(request["accelerator"]))))
+
+
+if __name__ == "__main__":
+    main()

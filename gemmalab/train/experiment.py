@@ -1,0 +1,373 @@
+"""A fine-tuning run from config to saved params: what ``notebooks/train.ipynb`` drives.
+
+``Experiment.prepare`` does every check that can fail on bad input before anything expensive
+(tokenization, weight loading, compilation); ``train`` runs the loop; ``save`` writes the params.
+The loop reads top to bottom; its collaborators do the rest:
+
+- ``gemmalab.data.preparation``: corpus, tokenizer, token cache (``PreparedData``) and what the
+  loop reads (``TrainingData``: batches, eval batches, step counts);
+- ``gemmalab.train.params``: the trained and frozen weights with their shardings
+  (``TrainWeights``), restored from a checkpoint or initialised;
+- ``gemmalab.train.checkpoints``: the run's checkpoints and the resume checks;
+- ``gemmalab.train.metrics``: rows, evaluations, startup seconds and FLOP accounting;
+- ``gemmalab.train.preemption``: SIGTERM becomes a checkpoint and ``Preempted``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import resource
+import time
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemmalab import plan, storage
+from gemmalab.config import TrainConfig
+from gemmalab.data import chat as chat_template
+from gemmalab.data import packing
+from gemmalab.data.documents import CHAT
+from gemmalab.data.preparation import PreparedData, TrainingData, prepare_data, training_data
+from gemmalab.errors import TrainingDiverged
+from gemmalab.model import lora, mesh, presets, sampling
+from gemmalab.train import checkpoints, compile_cache, metrics, optimization
+from gemmalab.train.params import TrainWeights, restore_or_init, trained_token_ids
+from gemmalab.train.preemption import Preempted, StopRequest
+from gemmalab.weights import orbax_params, sources
+from gemmalab.weights.export import TOKENIZER_FILE
+
+FINAL_LOSS_WINDOW = 10
+
+
+@dataclasses.dataclass
+class Experiment:
+    config: TrainConfig
+    mesh: Any
+    prepared: PreparedData  # corpus, tokenizer, token cache, model config
+    data: TrainingData  # batches, eval batches, step counts, the data table
+    # With LoRA (lora_rank > 0) ``model`` is the adapted ``base_model``; else the two are one.
+    model: Any
+    base_model: Any
+    weights: TrainWeights
+    optimizer: Any
+    schedule: Any
+    memory_plan: plan.MemoryPlan
+    checkpoints: checkpoints.TrainCheckpoints
+    checkpoint_name: str  # the base: e.g. embedded:gemma3-270m, a path, or "" (random init)
+    startup: metrics.Startup
+    flops: metrics.FlopAccounting
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    eval_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    batch_digest: int = 0  # CRC32 of the last batch's local token rows
+    checkpoint_seconds: list[float] = dataclasses.field(default_factory=list)  # blocking saves
+
+    # -----------------------------------------------------------------------------------------
+    @classmethod
+    def prepare(cls, config: TrainConfig) -> Experiment:
+        """Validate everything, build data, tokenizer, model and state; compile nothing yet."""
+        startup = metrics.Startup()
+        # First, so every compile of the run (init, steps, sampler) is read from or written to it.
+        compile_cache.enable(config.resolved_cache_dir)
+        device_mesh = mesh.make_mesh(config.mesh, num_slices=config.num_slices)
+        mesh.check_batch_size(config.batch_size, device_mesh, config.grad_accum_steps)
+        if storage.is_gcs(config.output_dir):
+            storage.require_gcs_credentials("output_dir", config.output_dir)
+        checkpoint = sources.resolve(config.checkpoint, config.model, config.resolved_cache_dir)
+        # Refused here, before the data is tokenized and the weights loaded.
+        devices = plan.attached_accelerator(list(device_mesh.devices.flat))
+        memory_plan = (plan.require_fits if config.check_memory else plan.estimate)(config, devices)
+        previous = checkpoints.previous_run(config)
+        # One checkpoint (trained weights and AdamW's two moments) and the final params.
+        state_bytes = ((3 * memory_plan.trainable_params + memory_plan.num_params)
+                       * jnp.dtype(config.param_dtype).itemsize)
+        if jax.process_index() == 0:
+            checkpoints.require_writable_room(config.output_dir, state_bytes)
+        startup.phase("checks")
+
+        prepared = prepare_data(config)
+        data = training_data(config, prepared)
+        startup.phase("data")
+
+        param_dtype = jnp.dtype(config.param_dtype)
+        base_model = presets.build_model(prepared.model_config, param_dtype=param_dtype,
+                                         remat=config.remat, attention=config.attention,
+                                         mesh=device_mesh)
+        token_ids = trained_token_ids(config, prepared.tokenizer_info,
+                                      chat=prepared.corpus.format == CHAT)
+        model = (lora.wrap(base_model, rank=config.lora_rank, alpha=config.lora_alpha,
+                           modules=config.lora_modules, dtype=param_dtype, token_ids=token_ids)
+                 if config.lora_rank else base_model)
+        peak_lr = config.learning_rate or presets.default_learning_rate(
+            config.model, lora=config.lora_rank > 0)
+        schedule = optimization.learning_rate_schedule(peak_lr, data.total_steps,
+                                                       warmup_ratio=config.warmup_ratio,
+                                                       min_lr_ratio=config.min_lr_ratio)
+        optimizer = optimization.make_optimizer(schedule, weight_decay=config.weight_decay,
+                                                b1=config.adam_b1, b2=config.adam_b2,
+                                                max_grad_norm=config.max_grad_norm)
+        saved = checkpoints.TrainCheckpoints(config.output_dir, keep=config.keep_checkpoints)
+        weights = restore_or_init(config, base_model, optimizer, device_mesh, checkpoint, saved,
+                                  data.train_iterator, resume=previous is not None,
+                                  token_rows=len(token_ids))
+        jax.block_until_ready((weights.state, weights.frozen))
+        startup.phase("model")
+
+        adapters = weights.trainable_params if weights.frozen is not None else 0
+        flops = metrics.FlopAccounting.of_run(config, prepared.model_config,
+                                              num_params=weights.num_params, adapters=adapters,
+                                              devices=devices)
+        return cls(config=config, mesh=device_mesh, prepared=prepared, data=data, model=model,
+                   base_model=base_model, weights=weights, optimizer=optimizer,
+                   schedule=schedule, memory_plan=memory_plan, checkpoints=saved,
+                   checkpoint_name=checkpoint.name, startup=startup, flops=flops)
+
+    # -----------------------------------------------------------------------------------------
+    # What notebooks read.
+
+    @property
+    def is_main_process(self) -> bool:
+        return jax.process_index() == 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.prepared.tokenizer
+
+    @property
+    def num_params(self) -> int:
+        """Every weight of the model (with LoRA: base and adapters)."""
+        return self.weights.num_params
+
+    @property
+    def trainable_params(self) -> int:
+        return self.weights.trainable_params
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.data.steps_per_epoch
+
+    @property
+    def total_steps(self) -> int:
+        return self.data.total_steps
+
+    @property
+    def data_stats(self) -> dict[str, Any]:
+        return self.data.stats
+
+    @property
+    def compute_dtype(self) -> Any:
+        return jnp.dtype(self.config.compute_dtype)
+
+    def inference_params(self, dtype: Any = None) -> Any:
+        """The current weights as an ordinary gemma params tree for ``base_model`` (with LoRA:
+        the adapters merged into the base, in ``dtype``, default the master dtype)."""
+        return self.weights.inference_params(self.config, self.model, dtype)
+
+    def sample(self, prompts: str | list[str], *, chat: bool | None = None, **kwargs: Any
+               ) -> sampling.Continuation | list[sampling.Continuation]:
+        """Continue one prompt or several with the current weights (greedy by default).
+
+        ``chat`` (default: whether the run trains on instruction/chat data) sends each prompt
+        as a user turn in Gemma's chat template; the reply stops at ``<end_of_turn>``.
+        """
+        single = isinstance(prompts, str)
+        prompts = [prompts] if single else list(prompts)
+        if self.data_stats.get("data_format") == CHAT if chat is None else chat:
+            prompts = [chat_template.user_prompt(p) for p in prompts]
+        # LoRA: merged straight into the compute dtype sampling runs in (no master-size copy).
+        continuations = sampling.continue_prompts(
+            self.base_model, self.inference_params(self.compute_dtype), self.tokenizer, prompts,
+            compute_dtype=self.compute_dtype, **kwargs)
+        return continuations[0] if single else continuations
+
+    # -----------------------------------------------------------------------------------------
+    # The steps.
+
+    @functools.cached_property
+    def train_step(self) -> Any:
+        """The state-donating step, compiled (on first use) for this run's batch shape:
+        ``state, metrics = train_step(state, batch, frozen)``. Compiled ahead of any batch, so
+        the compile's seconds and XLA's FLOP count of the step are recorded."""
+        weights = self.weights
+        step = optimization.make_train_step(self.model, self.optimizer, self.schedule,
+                                            self.compute_dtype, self.mesh,
+                                            weights.state_shardings,
+                                            grad_accum_steps=self.config.grad_accum_steps,
+                                            skip_nonfinite=self.config.skip_nonfinite,
+                                            frozen_shardings=weights.frozen_shardings)
+        started = time.perf_counter()
+        rows = jax.ShapeDtypeStruct((self.config.batch_size, self.config.maxlen), jnp.int32,
+                                    sharding=mesh.batch_sharding(self.mesh))
+        batch = {name: rows for name in packing.FIELDS}
+        compiled = step.lower(weights.state, batch, weights.frozen).compile()
+        self.startup.record("compile", time.perf_counter() - started)
+        self.flops.record_compiled(compiled)
+        return compiled
+
+    @functools.cached_property
+    def eval_step(self) -> Any:
+        return optimization.make_eval_step(self.model, self.compute_dtype, self.mesh,
+                                           self.weights.state_shardings.params,
+                                           self.weights.frozen_shardings)
+
+    def next_batch(self) -> dict[str, Any]:
+        """The next global batch, placed on the mesh (this process supplies its rows).
+
+        ``batch_digest`` becomes a CRC32 of this process's token rows: metrics.jsonl records it
+        per step, so two runs (e.g. one resumed, one not) can be shown to read the same data.
+        """
+        local = next(self.data.train_iterator)
+        self.batch_digest = zlib.crc32(np.ascontiguousarray(local["tokens"]).tobytes())
+        return mesh.global_batch(local, self.mesh)
+
+    def evaluate(self) -> tuple[float, float]:
+        """Eval loss and perplexity over the whole held-out split."""
+        return optimization.evaluate(self.eval_step, self.weights.state.params,
+                                     self.data.eval_batches, self.mesh, self.weights.frozen)
+
+    # -----------------------------------------------------------------------------------------
+    # The loop.
+
+    def train(self, *, progress: bool = True) -> dict[str, Any]:
+        """Run the steps from the start step to ``total_steps`` with periodic eval and
+        checkpoints; write metrics and ``summary.json``. SIGTERM: save, then ``Preempted``."""
+        cfg, weights = self.config, self.weights
+        start_step = weights.start_step
+        sink = metrics.MetricsSink(cfg.output_dir, enabled=self.is_main_process,
+                                   resume_step=start_step or None)
+        log = metrics.StepLog(sink, total_steps=self.total_steps, start_step=start_step,
+                              steps_per_epoch=self.steps_per_epoch,
+                              tokens_per_step=cfg.batch_size * cfg.maxlen,
+                              log_every=cfg.log_every, show=progress and self.is_main_process,
+                              nonfinite=self._diverged,
+                              flops_per_step=self.flops.model_flops_per_step,
+                              peak_flops_per_s=self.flops.peak_flops_per_s)
+        self.history, self.eval_history = log.history, log.eval_history
+        train_step = self.train_step  # compiled now, before the clock of the first step starts
+        # Decided by the step, not by file contents: every process must take the same branch
+        # (evaluation is collective).
+        if start_step == 0:
+            eval_started = time.perf_counter()
+            initial_eval = self._record_eval(0, log)
+            self.startup.record("initial_eval", time.perf_counter() - eval_started)
+        else:
+            initial_eval = next((r for r in log.eval_history if r["step"] == 0),
+                                {"step": 0, "eval_loss": float("nan"),
+                                 "eval_perplexity": float("nan")})
+        started = time.perf_counter()
+        with StopRequest() as stop:
+            for step in range(start_step + 1, self.total_steps + 1):
+                wait_started = time.perf_counter()
+                batch = self.next_batch()
+                data_wait = time.perf_counter() - wait_started
+                weights.state, step_metrics = train_step(weights.state, batch, weights.frozen)
+                log.step(step, step_metrics, data_wait, self.batch_digest)
+                # One process: every step; several: a collective, so every log_every steps.
+                stopping = ((jax.process_count() == 1 or step % cfg.log_every == 0)
+                            and stop.agreed())
+                if stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                    log.settle()  # the step's row is on disk before the checkpoint claims it
+                    self._save_checkpoint(step)
+                if stopping:
+                    self.checkpoints.wait()
+                    log.close()
+                    raise Preempted(step, f"{self.checkpoints.directory}/{step}")
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
+                    log.settle()
+                    self._record_eval(step, log)
+        log.settle()
+        train_seconds = time.perf_counter() - started
+        final_eval = self._record_eval(self.total_steps, log)
+        self.checkpoints.wait()
+        if self.total_steps not in self.checkpoints.steps():
+            self._save_checkpoint(self.total_steps)
+            self.checkpoints.wait()
+        self.summary = self._summary(initial_eval, final_eval, train_seconds)
+        sink.write_json("summary.json", self.summary)
+        log.close()
+        return self.summary
+
+    def _record_eval(self, step: int, log: metrics.StepLog) -> dict[str, Any]:
+        return log.evaluation(step, *self.evaluate())
+
+    def _save_checkpoint(self, step: int) -> None:
+        started = time.perf_counter()
+        self.checkpoints.save(step, self.weights.state, self.data.train_iterator)
+        self.checkpoint_seconds.append(time.perf_counter() - started)
+
+    def _diverged(self, step: int, values: dict[str, float]) -> TrainingDiverged:
+        saved = [s for s in self.checkpoints.steps() if s < step]
+        where = (f"the last good checkpoint is {self.checkpoints.directory}/{saved[-1]} "
+                 "(a restart resumes there)" if saved else "no checkpoint was saved before it")
+        return TrainingDiverged(
+            f"loss {values['loss']} and gradient norm {values['grad_norm']} at step {step}; "
+            f"{where}. Fix: lower learning_rate, check the data, or set skip_nonfinite=True")
+
+    def _summary(self, initial_eval: dict, final_eval: dict, train_seconds: float
+                 ) -> dict[str, Any]:
+        steady = self.history[1:] or self.history  # step 1 includes compilation
+        steady_time = sum(r["step_time_s"] for r in steady)
+        useful = sum(r["useful_tokens"] for r in steady)
+        tokens = sum(r["tokens"] for r in steady)
+        last = self.history[-FINAL_LOSS_WINDOW:]
+        return {
+            "steps": len(self.history),
+            "steps_per_epoch": self.steps_per_epoch,
+            "initial_train_loss": self.history[0]["loss"],
+            "final_train_loss": float(np.mean([r["loss"] for r in last])),
+            "initial_eval_loss": initial_eval["eval_loss"],
+            "final_eval_loss": final_eval["eval_loss"],
+            "initial_eval_perplexity": initial_eval["eval_perplexity"],
+            "final_eval_perplexity": final_eval["eval_perplexity"],
+            "useful_tokens_per_s": useful / steady_time,
+            "tokens_per_s": tokens / steady_time,
+            "useful_token_share": useful / tokens,
+            "mean_step_time_s": steady_time / len(steady),
+            "data_wait_share": sum(r["data_wait_s"] for r in steady) / steady_time,
+            "skipped_steps": int(sum(r.get("skipped", 0) for r in self.history)),
+            "resumed_from_step": self.weights.start_step,
+            "checkpoints_saved": len(self.checkpoint_seconds),
+            "checkpoint_blocking_s": float(np.mean(self.checkpoint_seconds or [0.0])),
+            "first_step_seconds": self.history[0]["step_time_s"],
+            "train_seconds": train_seconds,
+            **self.flops.summary(len(steady), steady_time),
+            "startup": self.startup.summary(self.history, self.weights.start_step),
+            "num_params": self.num_params,
+            "trainable_params": self.trainable_params,
+            "lora_token_ids": list(lora.token_ids(self.model)),
+            "peak_host_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+            "mesh": mesh.mesh_shape(self.mesh),
+            **self.weights.bytes_per_device(),
+            # The analytic plan beside what the runtime saw (TPU/GPU report a peak; CPUs don't).
+            "planned_bytes_per_device": self.memory_plan.per_device_bytes,
+            "peak_device_bytes": plan.peak_device_bytes(),
+            "processes": jax.process_count(),
+            "checkpoint": self.checkpoint_name,
+            "tokenizer_vocab_size": self.prepared.tokenizer_info.vocab_size,
+            "data": self.data_stats,
+            "params": self.config.to_dict(),
+            "model_config": presets.config_to_dict(self.prepared.model_config),
+        }
+
+    # -----------------------------------------------------------------------------------------
+    def save(self) -> str:
+        """Write the final (master-dtype) params to ``output_dir/params`` and the tokenizer
+        beside them (``tokenizer.model``: what an HF export ships); every process calls.
+
+        With LoRA these are the merged weights (an ordinary gemma tree, what sampling and
+        ``gm.ckpts.load_params`` read), and the adapters alone go to ``output_dir/adapters``.
+        """
+        path = f"{self.config.output_dir}/params"
+        orbax_params.save_params(self.inference_params(), path)
+        if self.weights.frozen is not None:
+            orbax_params.save_params(self.weights.state.params,
+                                     f"{self.config.output_dir}/adapters")
+        if self.is_main_process:
+            storage.write_bytes(f"{self.config.output_dir}/{TOKENIZER_FILE}",
+                                self.prepared.tokenizer_info.model_proto)
+        return path

@@ -1,0 +1,219 @@
+"""The train state, the optimizer and the jit-compiled steps.
+
+One state pytree (``TrainState``) holds everything a resume needs besides the data iterator:
+step, fp32 master params and optimizer state. Compute runs in ``compute_dtype`` (params are
+cast inside the step, so gradients and updates stay in the master dtype). The loss is
+``gemmalab.model.cross_entropy``'s.
+
+With LoRA the state's params are the adapters alone; the base weights are a separate ``frozen``
+tree (compute dtype, never updated, not donated) that each step joins to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gemmalab.model import attention, cross_entropy, lora, presets, sharding
+from gemmalab.model.mesh import batch_sharding, global_batch, replicated
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def learning_rate_schedule(peak: float, total_steps: int, *, warmup_ratio: float,
+                           min_lr_ratio: float) -> optax.Schedule:
+    """Linear warmup to ``peak`` then cosine decay to ``peak * min_lr_ratio``."""
+    warmup = int(round(total_steps * warmup_ratio))
+    if total_steps <= 1:
+        return optax.constant_schedule(peak)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else peak, peak_value=peak, warmup_steps=warmup,
+        decay_steps=total_steps, end_value=peak * min_lr_ratio)
+
+
+def make_optimizer(schedule: optax.Schedule, *, weight_decay: float, b1: float, b2: float,
+                   max_grad_norm: float) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW; norms' scales (1-D params) are not decayed."""
+    return optax.chain(
+        optax.clip_by_global_norm(max_grad_norm),
+        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
+                    mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),
+    )
+
+
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """``[B, L, L]``: causal, within one segment, and nothing for padding (segment 0)."""
+    length = segment_ids.shape[-1]
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real = (segment_ids > 0)[:, :, None]
+    return causal[None] & same & real
+
+
+def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
+                 frozen: Any = None, mesh: Any = None) -> tuple[jax.Array, jax.Array]:
+    """Sum of masked next-token NLL over the batch, and the number of loss-bearing targets.
+
+    ``frozen``: the base weights a LoRA model's adapters (``params``) are joined to. ``mesh``:
+    the one the batch is split over (None: let XLA place the loss's chunks).
+    """
+    params = presets.cast_params(params, compute_dtype)
+    head, row_updates = None, None
+    if frozen is not None:
+        frozen = presets.cast_params(frozen, compute_dtype)
+        token_ids = lora.token_ids(model)
+        if lora.TOKEN_ROWS in params:  # the output head: the frozen rows, the update apart
+            head = frozen["embedder"]["input_embedding"]
+            row_updates = (jnp.asarray(token_ids, jnp.int32), params[lora.TOKEN_ROWS])
+        params = lora.join(frozen, params, token_ids)
+    # A fused attention kernel takes the segments, not the [B, L, L] mask
+    # (gemmalab.model.attention).
+    mask = (attention.segment_starts(batch["segment_ids"]) if attention.kernel_of(model)
+            else attention_mask(batch["segment_ids"]))
+    # The model's own logits are unused (XLA drops them); the loss recomputes them in chunks.
+    output = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
+                         attention_mask=mask, return_hidden_states=True)
+    head = params["embedder"]["input_embedding"] if head is None else head
+    return cross_entropy.chunked_cross_entropy(output.hidden_states, head, batch["targets"],
+                                 batch["loss_mask"] > 0, softcap=model.config.final_logit_softcap,
+                                 max_logits=cross_entropy.LOSS_CHUNK_LOGITS, mesh=mesh,
+                                 row_updates=row_updates)
+
+
+def make_train_step(model: Any, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule, compute_dtype: Any, mesh: Any, state_shardings: Any,
+                    *, grad_accum_steps: int = 1, skip_nonfinite: bool = False,
+                    frozen_shardings: Any = None) -> Callable[..., tuple[TrainState, dict]]:
+    """One jit-compiled step ``(state, batch, frozen) -> (state, metrics)``; the incoming state
+    is donated (updated in place) and keeps ``state_shardings`` (from ``state_sharding``).
+    ``frozen``: LoRA's base weights (placed by ``frozen_shardings``), read, never donated; None
+    for full fine-tuning. (Positional: jit takes no keyword arguments beside its shardings.)
+
+    With ``grad_accum_steps`` > 1 the batch is processed in that many micro-batches, one after
+    the other, and their gradients summed: activations of one micro-batch at a time, the same
+    update (the loss is the mean over every loss-bearing token of the whole batch either way).
+
+    With ``skip_nonfinite`` a step whose loss or gradient norm is not finite keeps the weights
+    and optimizer state as they were (its metrics say ``skipped``: 1).
+    """
+
+    def step(state: TrainState, batch: dict[str, jax.Array], frozen: Any
+             ) -> tuple[TrainState, dict]:
+        (total, count), grads = summed_gradients(model, state.params, batch, compute_dtype,
+                                                 mesh, grad_accum_steps, frozen)
+        scale = 1.0 / jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": total * scale, "useful_tokens": count,
+                   "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+        if skip_nonfinite:
+            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
+            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return jax.jit(step, donate_argnums=(0,),
+                   in_shardings=(state_shardings, batch_sharding(mesh), frozen_shardings),
+                   out_shardings=(state_shardings, replicated(mesh)))
+
+
+def summed_gradients(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
+                     mesh: Any, micro_batches: int, frozen: Any = None
+                     ) -> tuple[tuple[jax.Array, jax.Array], Any]:
+    """``((sum of NLL, loss-bearing targets), gradient of the sum)`` over ``micro_batches``."""
+    value_and_grad = jax.value_and_grad(
+        lambda p, b: forward_loss(model, p, b, compute_dtype, frozen, mesh), has_aux=True)
+    if micro_batches == 1:
+        return value_and_grad(params, batch)
+    # Micro-batch j takes rows j, j + n, j + 2n, ...: every device keeps working on its own rows.
+    split = jax.tree.map(
+        lambda x: x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:])
+        .swapaxes(0, 1), batch)
+
+    def accumulate(carry: Any, micro: dict[str, jax.Array]) -> tuple[Any, None]:
+        micro = jax.lax.with_sharding_constraint(micro, batch_sharding(mesh))
+        (total, count), grads = value_and_grad(params, micro)
+        sums, counts, summed = carry
+        return (sums + total, counts + count, jax.tree.map(jnp.add, summed, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+             jax.tree.map(jnp.zeros_like, params))
+    (total, count, grads), _ = jax.lax.scan(accumulate, zeros, split)
+    return (total, count), grads
+
+
+def make_eval_step(model: Any, compute_dtype: Any, mesh: Any, params_shardings: Any,
+                   frozen_shardings: Any = None) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """``(params, batch, frozen) -> (sum of NLL, loss-bearing targets)``, jit-compiled
+    (``frozen``: LoRA's base weights, or None)."""
+    def step(params: Any, batch: dict[str, jax.Array], frozen: Any
+             ) -> tuple[jax.Array, jax.Array]:
+        return forward_loss(model, params, batch, compute_dtype, frozen, mesh)
+
+    return jax.jit(step, in_shardings=(params_shardings, batch_sharding(mesh), frozen_shardings),
+                   out_shardings=replicated(mesh))
+
+
+def state_sharding(params: Any, optimizer: optax.GradientTransformation, mesh: Any
+                   ) -> TrainState:
+    """Where each leaf of the train state lives: weights by ``sharding.RULES``, each optimizer
+    moment with its weight, counters replicated. ``params`` may be abstract."""
+    weights = sharding.param_sharding(params, mesh)
+    by_path = {sharding.dict_path(path): s
+               for path, s in jax.tree_util.tree_leaves_with_path(weights)}
+    shapes = {sharding.dict_path(path): leaf.shape
+              for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    opt_shape = jax.eval_shape(optimizer.init, params)
+
+    def moment(path: tuple, leaf: Any) -> Any:
+        key = sharding.dict_path(path)
+        return by_path[key] if shapes.get(key) == leaf.shape else replicated(mesh)
+
+    return TrainState(step=replicated(mesh), params=weights,
+                      opt_state=jax.tree_util.tree_map_with_path(moment, opt_shape))
+
+
+def abstract_state(params: Any, optimizer: optax.GradientTransformation, shardings: TrainState
+                   ) -> TrainState:
+    """The train state as ``jax.ShapeDtypeStruct`` leaves with their shardings (nothing
+    allocated): what a compile or a checkpoint restore targets. ``params`` may be abstract."""
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                        opt_state=jax.eval_shape(optimizer.init, params))
+    return jax.tree.map(
+        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+        shapes, shardings)
+
+
+def init_state(params: Any, optimizer: optax.GradientTransformation, mesh: Any
+               ) -> tuple[TrainState, TrainState]:
+    """The state placed on the mesh by its shardings; returns ``(state, shardings)``."""
+    shardings = state_sharding(params, optimizer, mesh)
+    params = jax.device_put(params, shardings.params)
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+    step = jax.device_put(jnp.asarray(0, jnp.int32), shardings.step)
+    return TrainState(step=step, params=params, opt_state=opt_state), shardings
+
+
+def evaluate(eval_step: Callable, params: Any, batches: list[dict[str, np.ndarray]], mesh: Any,
+             frozen: Any = None) -> tuple[float, float]:
+    """Mean loss over every loss-bearing target of the eval set, and its perplexity."""
+    total, count = 0.0, 0.0
+    for batch in batches:
+        s, n = jax.device_get(eval_step(params, global_batch(batch, mesh), frozen))
+        total += float(s)
+        count += float(n)
+    loss = total / max(count, 1.0)
+    return loss, float(np.exp(min(loss, 80.0)))

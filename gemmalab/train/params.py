@@ -1,0 +1,162 @@
+"""The run's weights: what it trains and what it holds still, each with its shardings.
+
+``TrainWeights`` is one object for both: ``state`` (the ``TrainState``: trainable params and the
+optimizer's moments, what a checkpoint saves) and, with LoRA, ``frozen``: the base weights in the
+compute dtype, never updated and never checkpointed (read again on a resume). ``restore_or_init``
+builds it, straight into the shards of the mesh: from the newest checkpoint of the run, else from
+the configured base (or random init).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gemmalab import plan
+from gemmalab.config import CHAT_TURN_TOKENS, TrainConfig
+from gemmalab.data import tokenizer as tokenizers
+from gemmalab.errors import ConfigError
+from gemmalab.model import lora, presets, sharding
+from gemmalab.train import checkpoints, optimization
+from gemmalab.weights import sources
+
+
+@dataclasses.dataclass
+class TrainWeights:
+    """``state`` and its shardings; with LoRA the ``frozen`` base and its shardings (else None).
+    ``start_step`` > 0 when the state was restored from a checkpoint."""
+
+    state: optimization.TrainState
+    state_shardings: optimization.TrainState
+    frozen: Any = None
+    frozen_shardings: Any = None
+    start_step: int = 0
+
+    @property
+    def trainable_params(self) -> int:
+        return presets.parameter_count(self.state.params)
+
+    @property
+    def num_params(self) -> int:
+        """Every weight of the model (with LoRA: base and adapters)."""
+        return self.trainable_params + presets.parameter_count(self.frozen or {})
+
+    def inference_params(self, config: TrainConfig, model: Any, dtype: Any = None) -> Any:
+        """An ordinary gemma params tree of the base model (with LoRA: the adapters of ``model``
+        merged into the base, in ``dtype``, default the master dtype)."""
+        if self.frozen is None:
+            return self.state.params
+        return lora.merge(self.frozen, self.state.params,
+                          lora.scale(config.lora_rank, config.lora_alpha),
+                          dtype=dtype or jnp.dtype(config.param_dtype),
+                          token_ids=lora.token_ids(model))
+
+    def bytes_per_device(self) -> dict[str, int]:
+        """summary.json's "params_bytes_per_device" and "optimizer_bytes_per_device"."""
+        return {"params_bytes_per_device": (sharding.shard_bytes(self.state.params)
+                                            + sharding.shard_bytes(self.frozen or {})),
+                "optimizer_bytes_per_device": sharding.shard_bytes(self.state.opt_state)}
+
+
+def restore_or_init(config: TrainConfig, base_model: Any, optimizer: Any, device_mesh: Any,
+                    checkpoint: sources.ResolvedCheckpoint, saved: checkpoints.TrainCheckpoints,
+                    iterator: Any, *, resume: bool, token_rows: int = 0) -> TrainWeights:
+    """The run's weights on ``device_mesh``: the state restored (and ``iterator`` moved to its
+    data position) or initialised, and LoRA's frozen base read into its shards."""
+    start_step, state, shardings = _restored_or_initial_state(
+        config, base_model, optimizer, device_mesh, checkpoint, saved, iterator, resume=resume,
+        token_rows=token_rows)
+    frozen, frozen_shardings = None, None
+    if config.lora_rank:
+        frozen, frozen_shardings = _frozen_base(config, base_model, checkpoint, device_mesh)
+    return TrainWeights(state=state, state_shardings=shardings, frozen=frozen,
+                        frozen_shardings=frozen_shardings, start_step=start_step)
+
+
+def trained_token_ids(config: TrainConfig, info: Any, *, chat: bool) -> tuple[int, ...]:
+    """The ids of ``lora_train_tokens`` (resolved: the chat turn tokens when LoRA fine-tunes a
+    pretrained checkpoint on chat data); () without LoRA, where every embedding trains."""
+    if not config.lora_rank:
+        return ()
+    pieces = config.lora_train_tokens
+    if pieces is None:
+        pieces = list(CHAT_TURN_TOKENS) if chat and config.checkpoint else []
+    ids = tokenizers.piece_ids(info, pieces)
+    unknown = [piece for piece, i in zip(pieces, ids, strict=True) if i is None]
+    if unknown:
+        raise ConfigError("lora_train_tokens", f"{unknown} are not pieces of the tokenizer "
+                          f"{info.name}", "name single tokens, e.g. ['<end_of_turn>'], or []")
+    return tuple(sorted(set(ids)))
+
+
+def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: Any,
+                               device_mesh: Any, checkpoint: sources.ResolvedCheckpoint,
+                               saved: checkpoints.TrainCheckpoints, iterator: Any, *, resume: bool,
+                               token_rows: int = 0
+                               ) -> tuple[int, optimization.TrainState, optimization.TrainState]:
+    """``(start step, state, its shardings)``: the newest readable checkpoint restored straight
+    into its shards (and ``iterator`` moved to its data position), else the initial weights
+    (with LoRA: fresh adapters; the base weights are not part of the state)."""
+    param_dtype = jnp.dtype(config.param_dtype)
+    # The same abstract trees the memory plan traced (cached per model config).
+    expected = (plan.adapter_params(base_model.config, config, token_rows) if config.lora_rank
+                else plan.abstract_params(base_model.config, config.param_dtype))
+    shardings = optimization.state_sharding(expected, optimizer, device_mesh)
+    abstract = optimization.abstract_state(expected, optimizer, shardings)
+    restored = saved.restore_latest(abstract, iterator) if resume else None
+    if restored:
+        if jax.process_index() == 0:
+            print(f"resumed from step {restored[0]} ({saved.directory}/{restored[0]})")
+        return restored[0], restored[1], shardings
+    if config.lora_rank:
+        params = lora.init_adapters(base_model.config, rank=config.lora_rank,
+                                    modules=config.lora_modules, dtype=config.param_dtype,
+                                    seed=config.seed + 1, shardings=shardings.params,
+                                    token_rows=token_rows)
+    else:
+        params = initial_params(base_model, checkpoint, config, param_dtype, device_mesh,
+                                expected)
+    state, _ = optimization.init_state(params, optimizer, device_mesh)
+    if jax.process_index() == 0:
+        checkpoints.write_config(config.output_dir, checkpoints.resume_values(config))
+    return 0, state, shardings
+
+
+def _frozen_base(config: TrainConfig, base_model: Any, checkpoint: sources.ResolvedCheckpoint,
+                 device_mesh: Any) -> tuple[Any, Any]:
+    """LoRA's base weights in the compute dtype, read (or drawn from ``seed``) into their
+    shards; the same on a resume, so they are never checkpointed. Returns (weights, shardings)."""
+    expected = plan.abstract_params(base_model.config, config.param_dtype)
+    compute_dtype = jnp.dtype(config.compute_dtype)
+    params = initial_params(base_model, checkpoint, config, compute_dtype, device_mesh, expected)
+    params = jax.tree.map(lambda p: p.astype(compute_dtype), params)  # random init: master dtype
+    return params, sharding.param_sharding(params, device_mesh)
+
+
+def initial_params(model: Any, checkpoint: sources.ResolvedCheckpoint, config: TrainConfig,
+                   param_dtype: Any, device_mesh: Any, expected: Any) -> Any:
+    """Initial weights, created or read directly into their shards on ``device_mesh``
+    (``expected``: the params' abstract tree)."""
+    shardings = sharding.param_sharding(expected, device_mesh)
+    if not checkpoint.path:
+        return presets.init_params(model, seed=config.seed, sample_length=config.maxlen,
+                                   shardings=shardings)
+    mismatch = ConfigError("checkpoint", f"{checkpoint.name} does not match {config.model}'s "
+                           "parameter shapes", "pick the checkpoint made for this model")
+    target = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, param_dtype,
+                                                                   sharding=where),
+                          expected, shardings)
+    try:
+        loaded = sources.load(checkpoint, target,
+                              text_only=presets.PRESETS[config.model].multimodal,
+                              progress=jax.process_index() == 0)
+    except (ValueError, KeyError) as error:  # the checkpoint's tree does not fit the model's
+        raise mismatch from error
+    if jax.tree.structure(loaded) != jax.tree.structure(expected) or any(
+            a.shape != b.shape for a, b in zip(jax.tree.leaves(loaded),
+                                               jax.tree.leaves(expected), strict=True)):
+        raise mismatch
+    return jax.tree.map(lambda p: p.astype(param_dtype), loaded)

@@ -1,0 +1,168 @@
+"""Export a finished run's weights for other tools: ``FORMATS``.
+
+- ``gemma``: gemma's own format (the Orbax tree ``gm.ckpts.load_params`` reads);
+- ``hf``: a Hugging Face ``Gemma3ForCausalLM`` directory (``gemmalab.weights.hf_layout``);
+- ``peft``: LoRA adapters alone in PEFT's layout (``gemmalab.weights.peft_adapters``).
+
+    python -m gemmalab.weights --run runs/x --format hf|gemma|peft --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gemmalab.errors import ConfigError
+from gemmalab.model import presets
+from gemmalab.weights import hf_layout, orbax_params, peft_adapters
+
+FORMATS = ("hf", "gemma", "peft")
+# The run's tokenizer, beside its params: what the HF export ships.
+TOKENIZER_FILE = "tokenizer.model"
+
+
+def save_gemma_params(params: dict, path: str | Path) -> str:
+    """Write ``params`` (LoRA runs: the merged tree) where ``gm.ckpts.load_params`` reads it."""
+    hf_layout.require_plain_params(params)
+    return orbax_params.save_params(params, str(hf_layout.require_new_dir(path, "path")))
+
+
+def _read_summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    if not path.is_file() or not (run_dir / "params").is_dir():
+        raise ConfigError("run", f"{run_dir} has no summary.json and params/ of a finished run",
+                          "give the output_dir of a run that completed")
+    return json.loads(path.read_text())
+
+
+def run_tokenizer(run_dir: str | Path) -> Path:
+    """The SentencePiece model a run trained with: its ``tokenizer.model``, written by
+    ``Experiment.save`` beside the params (so a run exports anywhere, without its cache)."""
+    path = Path(run_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise ConfigError("tokenizer", f"{run_dir} has no {TOKENIZER_FILE} (a run saved "
+                          "before runs kept their tokenizer)", "pass --tokenizer FILE.model")
+    return path
+
+
+def export_run(run_dir: str | Path, fmt: str, out_dir: str | Path, *,
+               dtype: str | None = None, tokenizer: str | None = None,
+               base_model: str | None = None,
+               max_shard_bytes: int = hf_layout.DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Export a finished run in ``fmt`` (``FORMATS``).
+
+    A LoRA run saved its merged weights in ``params/`` (exported by hf and gemma) and its
+    adapters alone in ``adapters/`` (exported by peft). ``dtype``: hf default bfloat16, peft
+    float32, gemma the run's own.
+    """
+
+    if fmt not in FORMATS:
+        raise ConfigError("format", f"unknown format {fmt!r}", f"use one of {list(FORMATS)}")
+    run = Path(run_dir)
+    summary = _read_summary(run)
+    model_config = presets.config_from_dict(summary["model_config"])
+    if fmt == "peft":
+        settings = summary["params"]
+        if not (run / "adapters").is_dir():
+            raise ConfigError("format", f"run {run_dir} has no LoRA adapters (adapters/)",
+                              "export it as hf or gemma, or pick a run with lora_rank > 0")
+        rank = settings["lora_rank"]
+        token_ids = tuple(summary.get("lora_token_ids") or ())
+        token_rows = None
+        if token_ids:  # the trained rows' values: those of the merged embedding
+            embedding = orbax_params.load_params(str(run / "params"))["embedder"]
+            token_rows = np.asarray(embedding["input_embedding"])[list(token_ids)]
+        adapters = orbax_params.load_params(str(run / "adapters"))
+        return peft_adapters.export_peft(
+            adapters, model_config, out_dir, rank=rank, alpha=settings.get("lora_alpha") or rank,
+            base_model_name_or_path=base_model or settings.get("checkpoint", ""),
+            dtype=dtype or "float32", token_ids=token_ids, token_rows=token_rows)
+    params = orbax_params.load_params(str(run / "params"))
+    if fmt == "gemma":
+        if dtype is not None:
+            hf_layout.require_dtype(dtype)
+            params = _cast(params, dtype)
+        return [save_gemma_params(params, out_dir)]
+    return hf_layout.export_hf(params, model_config, tokenizer or run_tokenizer(run), out_dir,
+                     dtype=dtype or "bfloat16", max_shard_bytes=max_shard_bytes)
+
+
+def run_is_lora(run_dir: str | Path) -> bool:
+    """Whether a finished run trained LoRA adapters (and so has a peft export)."""
+    return bool(_read_summary(Path(run_dir))["params"].get("lora_rank"))
+
+
+def hf_round_trip(run_dir: str | Path, hf_dir: str | Path) -> dict[str, Any]:
+    """The HF export read back into gemma's layout against the run's own params: how many
+    tensors, and the largest absolute difference (0 for a float32 export; bf16 rounding
+    otherwise)."""
+    import jax
+
+
+    params = orbax_params.load_params(str(Path(run_dir) / "params"))
+    expected = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, np.float32), params)
+    loaded = hf_layout.load_hf_params(hf_dir, expected)
+    differences = [float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+                   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True)]
+    dtype = json.loads((Path(hf_dir) / "config.json").read_text()).get("torch_dtype")
+    return {"weights": len(differences), "export dtype": dtype,
+            "max abs difference": max(differences),
+            "largest weight": max(float(np.max(np.abs(np.asarray(w)))) for w in
+                                  jax.tree.leaves(params))}
+
+
+def written_files(out_dir: str | Path) -> list[dict[str, Any]]:
+    """One row per export directory under ``out_dir``: its top-level entries and total MB (not a
+    file count: Orbax's varies from one save of the same tree to the next)."""
+    rows = []
+    for directory in sorted(p for p in Path(out_dir).iterdir() if p.is_dir()):
+        files = [p for p in directory.rglob("*") if p.is_file()]
+        rows.append({"export": directory.name,
+                     "top level": ", ".join(sorted(p.name for p in directory.iterdir())),
+                     "MB": round(sum(p.stat().st_size for p in files) / 1e6, 1)})
+    return rows
+
+
+def _cast(params: dict, dtype: str) -> dict:
+    import jax
+
+    return jax.tree.map(lambda w: w.astype(dtype), params)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gemmalab.weights.export",
+                                description="Export a finished run: Hugging Face Gemma3ForCausalLM "
+                                "(hf), gemma's Orbax params (gemma) or PEFT LoRA adapters (peft).")
+    p.add_argument("--run", required=True, help="the run's output_dir")
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--out", required=True, help="a new (or empty) directory")
+    p.add_argument("--dtype", choices=list(hf_layout.EXPORT_DTYPES),
+                   help="hf: bfloat16 (default); peft: float32; gemma: the run's own")
+    p.add_argument("--tokenizer", help="hf: the SentencePiece .model (default: the run's)")
+    p.add_argument("--base-model", help="peft: base_model_name_or_path (default: the run's "
+                   "checkpoint)")
+    p.add_argument("--max-shard-bytes", type=int, default=hf_layout.DEFAULT_MAX_SHARD_BYTES,
+                   help="hf: split model.safetensors into shards of at most this size")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        written = export_run(args.run, args.format, args.out, dtype=args.dtype,
+                             tokenizer=args.tokenizer, base_model=args.base_model,
+                             max_shard_bytes=args.max_shard_bytes)
+    except ConfigError as error:
+        print(f"ConfigError: {error}", file=sys.stderr)
+        return 2
+    print(f"{args.format} export of {args.run} in {args.out}: {', '.join(written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

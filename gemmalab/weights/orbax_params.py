@@ -1,0 +1,42 @@
+"""Params as Orbax checkpoints, readable by ``gm.ckpts.load_params`` (and Google's own).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gemmalab import gemma_lib, storage
+
+
+def absolute_path(path: str) -> str:
+    return path if storage.is_gcs(path) else os.path.abspath(path)
+
+
+def save_params(params: Any, path: str) -> str:
+    """Write ``params`` to ``path`` (replacing an earlier save) and wait until it is complete.
+
+    Every JAX process must call this (Orbax coordinates multi-host writes). Waiting matters:
+    an asynchronous save left running when the process exits is unloadable.
+    """
+    import orbax.checkpoint as ocp
+
+    path = absolute_path(path)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, params, force=True)
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    return path
+
+
+def load_params(path: str, *, text_only: bool = False, target: Any = None) -> Any:
+    """Read params written by ``save_params`` or published by Google (``gm.ckpts``).
+
+    ``target``: a tree of ``jax.ShapeDtypeStruct`` with shardings, like the model's params.
+    Each process then reads only its devices' shards, straight into place and in the target
+    dtype: no process or device holds the whole model. (gemma 4.0.1's own ``sharding=``
+    argument fails on its internal tree type; a target works.)
+    """
+    gm = gemma_lib.gm()
+
+    return gm.ckpts.load_params(absolute_path(path), text_only=text_only, params=target)

@@ -1,0 +1,102 @@
+"""Shared by tests/k8s/: the committed manifests, offline schemas, pod-spec accessors."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+FIXTURES = Path(__file__).with_name("fixtures")
+KUBERNETES_VERSION = "1.33"  # validated offline by kubernetes-validate (it ships 1.28-1.37)
+TRAINING_FILES = ("single-host-v6e-1x1.yaml", "multihost-v6e-2x4.yaml",
+                  "multislice-2x-v6e-2x4.yaml", "gpu-h200.yaml")
+HUB_FILE = "jupyterhub-values.yaml"
+
+
+def load_docs(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc]
+
+
+def committed_training_docs() -> list[tuple[str, dict[str, Any]]]:
+    return [(name, doc) for name in TRAINING_FILES for doc in load_docs(K8S / name)]
+
+
+def _strict(schema: Any) -> Any:
+    """CRD schemas prune unknown fields silently; make a misspelt field an error instead."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema:
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@functools.cache
+def jobset_validator():
+    import jsonschema
+
+    schema = json.loads((FIXTURES / "jobset-v0.11.1-v1alpha2.schema.json").read_text())
+    return jsonschema.Draft7Validator(_strict(schema))
+
+
+@functools.cache
+def hub_validator():
+    import jsonschema
+
+    schema = json.loads((FIXTURES / "z2jh-4.4.0-values.schema.json").read_text())
+    return jsonschema.Draft7Validator(schema)
+
+
+def helm_merge(defaults: Any, values: Any) -> Any:
+    """Helm's coalescing of user values onto chart defaults: maps merge, the rest is replaced."""
+    if isinstance(defaults, dict) and isinstance(values, dict):
+        merged = dict(defaults)
+        for key, value in values.items():
+            merged[key] = helm_merge(defaults.get(key), value)
+        return merged
+    return values
+
+
+def chart_defaults() -> dict[str, Any]:
+    return yaml.safe_load((FIXTURES / "z2jh-4.4.0-values.yaml").read_text(encoding="utf-8"))
+
+
+def child_jobs(doc: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+    """(replicas, batch/v1 JobSpec) of a Job or JobSet document."""
+    if doc["kind"] == "Job":
+        return [(1, doc["spec"])]
+    return [(rj["replicas"], rj["template"]["spec"]) for rj in doc["spec"]["replicatedJobs"]]
+
+
+def as_job(doc: dict[str, Any], job_spec: dict[str, Any]) -> dict[str, Any]:
+    """A JobSet's child-Job template as a standalone batch/v1 Job, for schema validation."""
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": doc["metadata"]["name"]}, "spec": job_spec}
+
+
+def pods(doc: dict[str, Any]) -> int:
+    return sum(replicas * spec.get("parallelism", 1) for replicas, spec in child_jobs(doc))
+
+
+def pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [spec["template"]["spec"] for _, spec in child_jobs(doc)]
+
+
+def pod_metadata(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [spec["template"]["metadata"] for _, spec in child_jobs(doc)]
+
+
+def topology_chips(topology: str) -> int:
+    return math.prod(int(d) for d in topology.split("x"))
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}

@@ -1,0 +1,122 @@
+"""One process of a real multi-process JAX run on localhost (started by test_multiprocess.py).
+
+usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DATA_PATH WORK_DIR [fsdp]
+
+With ``fsdp``: 20 steps of the tiny model with fsdp spanning both processes, fed slices of fixed
+global batches (as test_sharding's one-process runs are), then a sharded Orbax save and restore.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+# test_sharding's one-process helpers (tests/model/), as the tests themselves see them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+
+
+def main() -> None:
+    process_id, num_processes, port = (int(x) for x in sys.argv[1:4])
+    data_path, work_dir = sys.argv[4:6]
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                               num_processes=num_processes, process_id=process_id)
+
+    if sys.argv[6:] == ["fsdp"]:
+        return fsdp_across_processes(work_dir)
+
+    from gemmalab.config import TrainConfig
+    from gemmalab.train.experiment import Experiment
+
+    # fsdp over both processes: each holds and checkpoints only its shards.
+    config = TrainConfig(
+        data_path=data_path, cache_dir=f"{work_dir}/cache{process_id}",  # one cache per "host"
+        output_dir=f"{work_dir}/run", batch_size=8, maxlen=64, max_steps=6, eval_every=3,
+        tokenizer_vocab_size=600, tokenize_workers=1, seed=5, mesh={"fsdp": -1},
+        checkpoint_every=3)
+    experiment = Experiment.prepare(config)
+    summary = experiment.train(progress=False)
+    resumed_losses, resumed_from = crash_and_resume(config, f"{work_dir}/crashed")
+    sample = experiment.sample("Once upon a time", max_new_tokens=6)  # every host, as notebooks do
+    saved = experiment.save()
+    linear = experiment.weights.state.params["layer_0"]["mlp"]["linear"]
+    result = {
+        "process": jax.process_index(),
+        "devices": jax.device_count(),
+        "local_devices": jax.local_device_count(),
+        "train_docs": experiment.data_stats["train_docs"],
+        "eval_docs": experiment.data_stats["eval_docs"],
+        "tokenizer": experiment.prepared.tokenizer_info.fingerprint,
+        "losses": [r["loss"] for r in experiment.history],
+        "final_eval_loss": summary["final_eval_loss"],
+        "initial_eval_loss": summary["initial_eval_loss"],
+        "saved": saved,
+        "sample": sample.record(),
+        "resumed_losses": resumed_losses,
+        "resumed_from": resumed_from,
+        "params_sharded": linear.addressable_shards[0].data.shape != linear.shape,
+    }
+    with open(f"{work_dir}/result{process_id}.json", "w") as f:
+        json.dump(result, f)
+
+
+def crash_and_resume(config, output_dir: str) -> tuple[list[float], int]:
+    """The same run killed before step 5 on every process, then started again."""
+    import dataclasses
+
+    from gemmalab.train.experiment import Experiment
+
+    config = dataclasses.replace(config, output_dir=output_dir)
+    first = Experiment.prepare(config)
+    real, calls = first.train_step, [0]
+
+    def step_or_crash(state, batch, frozen=None):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("killed")
+        return real(state, batch, frozen)
+
+    first.__dict__["train_step"] = step_or_crash
+    try:
+        first.train(progress=False)
+    except RuntimeError:
+        first.checkpoints.wait()
+    second = Experiment.prepare(config)
+    second.train(progress=False)
+    return [r["loss"] for r in second.history], second.weights.start_step
+
+
+def fsdp_across_processes(work_dir: str) -> None:
+    import jax
+    import numpy as np
+    from test_sharding import _train
+
+    from gemmalab.model import mesh
+    from gemmalab.weights import orbax_params
+
+    losses, state = _train({"fsdp": -1}, jax.devices())
+    device_mesh = mesh.make_mesh({"fsdp": -1})
+    assert dict(device_mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
+    linear = state.params["layer_0"]["mlp"]["linear"]
+    saved = orbax_params.save_params(state.params, f"{work_dir}/fsdp-params")
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          state.params)
+    restored = orbax_params.load_params(saved, target=target)
+    same = all(np.array_equal(np.asarray(a.data), np.asarray(b.data))
+               for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(restored),
+                               strict=True)
+               for a, b in zip(x.addressable_shards, y.addressable_shards, strict=True))
+    result = {"losses": losses.tolist(), "restored_equal": same,
+              "restored_sharding_equal": restored["layer_0"]["mlp"]["linear"].sharding
+              == linear.sharding,
+              "local_shard_shape": list(linear.addressable_shards[0].data.shape),
+              "global_shape": list(linear.shape)}
+    with open(f"{work_dir}/fsdp{jax.process_index()}.json", "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

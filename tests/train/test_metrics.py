@@ -1,0 +1,39 @@
+"""The training loop's records: one row per step, MFU where the devices' peak is known."""
+
+import json
+
+import numpy as np
+import pytest
+
+from gemmalab.train import metrics
+
+
+def never_called(step, values):
+    raise AssertionError("a finite step was reported as non-finite")
+
+
+def one_step(tmp_path, **flops):
+    sink = metrics.MetricsSink(str(tmp_path), enabled=True)
+    log = metrics.StepLog(sink, total_steps=2, start_step=0, steps_per_epoch=2,
+                          tokens_per_step=1024, log_every=1, show=False,
+                          nonfinite=never_called, **flops)
+    log.step(1, {"loss": np.float32(2.0), "grad_norm": np.float32(0.5),
+                 "useful_tokens": np.float32(1000.0), "learning_rate": np.float32(1e-3)},
+             data_wait=0.001, batch_digest=7)
+    log.settle()
+    log.close()
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_step_with_a_known_peak_reports_its_mfu(tmp_path):
+    (record,) = one_step(tmp_path, flops_per_step=6e12, peak_flops_per_s=1e15)
+    assert record["model_flops_per_s"] == pytest.approx(6e12 / record["step_time_s"], rel=1e-9)
+    assert record["mfu"] == pytest.approx(record["model_flops_per_s"] / 1e15, rel=1e-9)
+    assert record["time"] > 1.7e9  # wall clock, for time-to-quality plots
+
+
+def test_without_a_peak_there_is_no_mfu(tmp_path):
+    (record,) = one_step(tmp_path, flops_per_step=6e12)
+    assert "model_flops_per_s" in record and "mfu" not in record
+    (record,) = one_step(tmp_path)
+    assert "model_flops_per_s" not in record

@@ -1,0 +1,300 @@
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemmalab.data import packing
+from gemmalab.model import cross_entropy, mesh, presets, sharding
+from gemmalab.train import optimization
+
+
+def test_masked_cross_entropy_matches_a_hand_computed_reference():
+    logits = jnp.asarray([[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [5.0, 5.0, 5.0]]])
+    targets = jnp.asarray([[0, 2, 1]])
+    mask = jnp.asarray([[True, True, False]])
+    total, count = cross_entropy.masked_cross_entropy(logits, targets, mask)
+    first = -(2.0 - math.log(math.exp(2) + 2))  # -log softmax([2,0,0])[0]
+    second = -(0.0 - math.log(math.e + 2))  # -log softmax([0,1,0])[2]
+    assert float(count) == 2.0
+    assert float(total) == pytest.approx(first + second, rel=1e-6)
+
+
+def test_masked_positions_contribute_nothing():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 5, 7)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 7, size=(2, 5)))
+    mask = jnp.asarray(rng.random((2, 5)) > 0.4)
+    other = jnp.where(mask, targets, (targets + 3) % 7)  # change only masked-out targets
+    noisy = jnp.where(mask[..., None], logits, logits * 100)
+    reference = [float(x) for x in cross_entropy.masked_cross_entropy(logits, targets, mask)]
+    changed = [float(x) for x in cross_entropy.masked_cross_entropy(noisy, other, mask)]
+    assert changed == pytest.approx(reference)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_token_nll_gradient_is_softmax_minus_onehot_in_the_logits_dtype(dtype):
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(3, 4, 9)) * 4, dtype)
+    targets = jnp.asarray(rng.integers(0, 9, size=(3, 4)))
+    weights = jnp.asarray(rng.random((3, 4)), jnp.float32)
+    value, grad = jax.value_and_grad(
+        lambda x: jnp.sum(cross_entropy.token_nll(x, targets) * weights))(logits)
+    wide = np.asarray(logits, np.float64)
+    log_probs = wide - np.log(np.exp(wide).sum(-1, keepdims=True))
+    onehot = np.eye(9)[np.asarray(targets)]
+    expected_value = -(np.take_along_axis(log_probs, np.asarray(targets)[..., None], -1)[..., 0]
+                       * np.asarray(weights)).sum()
+    expected_grad = (np.exp(log_probs) - onehot) * np.asarray(weights)[..., None]
+    assert grad.dtype == dtype
+    # fp32 arithmetic inside either way; a bf16 gradient is rounded to bf16's 8 bits.
+    tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert float(value) == pytest.approx(expected_value, rel=1e-5)
+    np.testing.assert_allclose(np.asarray(grad, np.float64), expected_grad, atol=tolerance)
+
+
+def test_attention_mask_is_causal_within_segments_and_empty_for_padding():
+    segments = jnp.asarray([[1, 1, 2, 2, 0]])
+    expected = np.array([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0],
+    ], bool)
+    np.testing.assert_array_equal(optimization.attention_mask(segments)[0], expected)
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    schedule = optimization.learning_rate_schedule(1e-3, 100, warmup_ratio=0.1, min_lr_ratio=0.1)
+    assert float(schedule(0)) == 0.0
+    assert float(schedule(10)) == pytest.approx(1e-3)
+    assert float(schedule(100)) == pytest.approx(1e-4)
+    assert float(schedule(5)) == pytest.approx(5e-4)
+
+
+def _tiny_setup(vocab=64, maxlen=16):
+    config = presets.model_config("gemma3-tiny", vocab)
+    model = presets.build_model(config, param_dtype=jnp.float32)
+    params = model.init(jax.random.key(0), jnp.zeros((1, maxlen), jnp.int32))["params"]
+    return model, params
+
+
+def _batch(rows=8, maxlen=16, vocab=64, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, vocab, size=(rows, maxlen)).astype(np.int32)
+    segments = np.ones((rows, maxlen), np.int32)
+    segments[:, maxlen // 2:] = 2
+    segments[::2, -3:] = 0  # padding on half the rows
+    positions = np.where(segments == 2, np.arange(maxlen) - maxlen // 2, np.arange(maxlen))
+    return {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1) * (segments > 0),
+            "segment_ids": segments, "positions": positions.astype(np.int32),
+            "loss_mask": (segments > 0).astype(np.int32)}
+
+
+def test_params_are_fp32_masters_and_a_step_learns():
+    model, params = _tiny_setup()
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    device_mesh = mesh.make_mesh()
+    assert mesh.data_parallel_size(device_mesh) == 8  # conftest: 8 virtual CPU devices
+    schedule = optimization.learning_rate_schedule(1e-2, 20, warmup_ratio=0.0, min_lr_ratio=1.0)
+    optimizer = optimization.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
+                                            max_grad_norm=1.0)
+    state, shardings = optimization.init_state(params, optimizer, device_mesh)
+    step = optimization.make_train_step(model, optimizer, schedule, jnp.bfloat16, device_mesh,
+                                        shardings)
+    batch = mesh.global_batch(_batch(), device_mesh)
+    losses = []
+    for _ in range(8):
+        state, metrics = step(state, batch, None)
+        losses.append(float(metrics["loss"]))
+    assert int(state.step) == 8
+    assert float(metrics["useful_tokens"]) == 8 * 16 - 4 * 3
+    assert losses[-1] < losses[0] - 0.5
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+    assert float(metrics["grad_norm"]) > 0
+
+
+def test_padding_does_not_change_loss_or_gradients():
+    model, params = _tiny_setup()
+    batch = _batch()
+    changed = dict(batch)
+    pad = batch["segment_ids"] == 0
+    changed["tokens"] = np.where(pad, 7, batch["tokens"])
+    changed["targets"] = np.where(pad, 9, batch["targets"])
+
+    def loss(p, b):
+        total, count = optimization.forward_loss(model, p, b, jnp.float32)
+        return total / count
+
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    value2, grads2 = jax.value_and_grad(loss)(params, changed)
+    assert float(value) == pytest.approx(float(value2), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads2), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_packed_segments_do_not_see_each_other():
+    """The loss of a story is the same alone or packed after another story."""
+    model, params = _tiny_setup()
+    story = np.asarray([2, 11, 12, 13, 14, 15, 1], np.int32)
+    alone = {"tokens": np.zeros((1, 16), np.int32), "targets": np.zeros((1, 16), np.int32),
+             "segment_ids": np.zeros((1, 16), np.int32), "positions": np.zeros((1, 16), np.int32)}
+    alone["tokens"][0, :6], alone["targets"][0, :6] = story[:-1], story[1:]
+    alone["segment_ids"][0, :6], alone["positions"][0, :6] = 1, np.arange(6)
+    alone["loss_mask"] = alone["segment_ids"].copy()
+    packed = {k: v.copy() for k, v in alone.items()}
+    packed["tokens"][0, 6:12], packed["targets"][0, 6:12] = story[:-1] + 20, story[1:] + 20
+    packed["segment_ids"][0, 6:12], packed["positions"][0, 6:12] = 2, np.arange(6)
+    only_first = dict(packed, segment_ids=np.where(packed["segment_ids"] == 2, 3, 1) *
+                      (packed["segment_ids"] > 0))
+    total_alone, _ = optimization.forward_loss(model, params, alone, jnp.float32)
+    logits_mask = only_first["segment_ids"] == 1
+    output = model.apply({"params": params}, jnp.asarray(packed["tokens"]),
+                         positions=jnp.asarray(packed["positions"]),
+                         attention_mask=optimization.attention_mask(
+                             jnp.asarray(packed["segment_ids"])))
+    total_first, _ = cross_entropy.masked_cross_entropy(
+        output.logits, jnp.asarray(packed["targets"]), jnp.asarray(logits_mask))
+    assert float(total_first) == pytest.approx(float(total_alone), rel=1e-5)
+
+
+def test_evaluate_counts_every_real_target():
+    model, params = _tiny_setup()
+    device_mesh = mesh.make_mesh()
+    eval_step = optimization.make_eval_step(model, jnp.float32, device_mesh,
+                                            sharding.param_sharding(params, device_mesh))
+    batches = [_batch(seed=1), _batch(seed=2)]
+    loss, perplexity = optimization.evaluate(eval_step, jax.device_put(params), batches,
+                                             device_mesh)
+    totals = [optimization.forward_loss(model, params, b, jnp.float32) for b in batches]
+    expected = sum(float(t) for t, _ in totals) / sum(float(n) for _, n in totals)
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert perplexity == pytest.approx(math.exp(expected), rel=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_chunked_loss_equals_the_full_loss_and_its_gradient(softcap):
+    rng = np.random.default_rng(1)
+    hidden = jnp.asarray(rng.normal(size=(3, 10, 8)), jnp.float32)
+    table = jnp.asarray(rng.normal(size=(50, 8)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 50, size=(3, 10)))
+    mask = jnp.asarray(rng.random((3, 10)) > 0.3)
+
+    def full(h, e):
+        logits = h @ e.T
+        if softcap is not None:
+            logits = jnp.tanh(logits / softcap) * softcap
+        total, _ = cross_entropy.masked_cross_entropy(logits, targets, mask)
+        return total
+
+    def chunked(h, e):  # 2 positions of the 3 rows per chunk: 5 chunks
+        return cross_entropy.chunked_cross_entropy(h, e, targets, mask, softcap=softcap,
+                                                   max_logits=7 * 50)[0]
+
+    def padded(h, e):  # 3 positions per chunk: 4 chunks, the last one padded
+        return cross_entropy.chunked_cross_entropy(h, e, targets, mask, softcap=softcap,
+                                                   max_logits=9 * 50)[0]
+
+    for loss in (chunked, padded):
+        assert float(loss(hidden, table)) == pytest.approx(float(full(hidden, table)), rel=1e-5)
+        for a, b in zip(jax.grad(loss, (0, 1))(hidden, table),
+                        jax.grad(full, (0, 1))(hidden, table), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_chunks_of_the_loss_stay_on_the_devices_of_their_rows():
+    """Under data parallelism each device computes its own rows' logits, chunk after chunk:
+    no hidden state is gathered, and a device's FLOPs are its share of the loss's."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    devices = np.asarray(jax.devices()[:4])
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    rows_sharded = NamedSharding(jax.sharding.Mesh(devices, ("data",)), PartitionSpec("data"))
+    replicated = NamedSharding(rows_sharded.mesh, PartitionSpec())
+    rows, length, dim, vocab = 16, 64, 32, 4096
+
+    def flops(max_logits: int) -> float:
+        def loss(h, e, t, m):
+            return cross_entropy.chunked_cross_entropy(h, e, t, m, max_logits=max_logits)[0]
+
+        args = (jax.ShapeDtypeStruct((rows, length, dim), jnp.bfloat16, sharding=rows_sharded),
+                jax.ShapeDtypeStruct((vocab, dim), jnp.bfloat16, sharding=replicated),
+                jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=rows_sharded),
+                jax.ShapeDtypeStruct((rows, length), jnp.bool_, sharding=rows_sharded))
+        compiled = jax.jit(jax.grad(loss, (0, 1))).lower(*args).compile()
+        assert "all-gather" not in compiled.as_text()
+        cost = compiled.cost_analysis()
+        return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+    one_chunk = flops(rows * length * vocab)
+    # XLA counts a loop's body once: 8 chunks of 8 positions count an eighth of the work
+    # (plus the recompute), if each device does only its rows' part of each chunk.
+    eight_chunks = flops(rows * 8 * vocab)
+    assert eight_chunks < one_chunk / 4
+
+
+def test_the_loss_under_fsdp_gathers_the_embedding_and_keeps_its_numbers():
+    """With the mesh, the chunks are pinned to the rows' devices and the embedding (its embed
+    dimension split by fsdp) gathered first: the same loss and gradients as without."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    device_mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2, 1),
+                                    ("data", "fsdp", "tensor"))
+    rng = np.random.default_rng(2)
+    rows, length, dim, vocab = 8, 12, 16, 64
+    rows_sharded = NamedSharding(device_mesh, PartitionSpec(("data", "fsdp")))
+    hidden = jax.device_put(jnp.asarray(rng.normal(size=(rows, length, dim)), jnp.float32),
+                            rows_sharded)
+    table = jax.device_put(jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32),
+                           NamedSharding(device_mesh, PartitionSpec("tensor", "fsdp")))
+    targets = jax.device_put(jnp.asarray(rng.integers(0, vocab, size=(rows, length))),
+                             rows_sharded)
+    mask = jax.device_put(jnp.asarray(rng.random((rows, length)) > 0.2), rows_sharded)
+
+    def loss(h, e, mesh):  # 5 positions per chunk: 3 chunks, the last one padded
+        return cross_entropy.chunked_cross_entropy(h, e, targets, mask, max_logits=rows * 5 * vocab,
+                                                   mesh=mesh)[0]
+
+    placed = jax.jit(jax.value_and_grad(lambda h, e: loss(h, e, device_mesh), (0, 1)))
+    free = jax.jit(jax.value_and_grad(lambda h, e: loss(h, e, None), (0, 1)))
+    (value, grads), (expected, expected_grads) = placed(hidden, table), free(hidden, table)
+    assert float(value) == pytest.approx(float(expected), rel=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_loss_never_holds_all_logits():
+    """Chunking saves at least one fp32 copy of the batch's logits in the compiled step."""
+    vocab, rows, maxlen = 32_768, 8, 256
+    config = presets.model_config("gemma3-tiny", vocab)
+    model = presets.build_model(config, param_dtype=jnp.float32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                               jnp.zeros((1, maxlen), jnp.int32)))["params"]
+    batch = {k: jax.ShapeDtypeStruct((rows, maxlen), jnp.int32)
+             for k in packing.FIELDS}
+
+    def full(p, b):
+        output = model.apply({"params": p}, b["tokens"], positions=b["positions"],
+                             attention_mask=optimization.attention_mask(b["segment_ids"]))
+        return cross_entropy.masked_cross_entropy(output.logits, b["targets"],
+                                                  b["segment_ids"] > 0)[0]
+
+    def chunked(p, b):
+        return optimization.forward_loss(model, p, b, jnp.float32)[0]
+
+    def temp_bytes(loss):
+        return jax.jit(jax.grad(loss)).lower(params, batch).compile().memory_analysis(
+        ).temp_size_in_bytes
+
+    default = cross_entropy.LOSS_CHUNK_LOGITS
+    try:
+        cross_entropy.LOSS_CHUNK_LOGITS = 256 * vocab  # 8 chunks of 256 tokens
+        saved = temp_bytes(full) - temp_bytes(chunked)
+    finally:
+        cross_entropy.LOSS_CHUNK_LOGITS = default
+    assert saved > rows * maxlen * vocab * 4

@@ -1,0 +1,326 @@
+"""Checkpoints and resume: a run stopped at any step and started again with the same config
+trains exactly as if it had never stopped."""
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections import namedtuple
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from gemmalab.config import TrainConfig
+from gemmalab.errors import ConfigError, TrainingDiverged
+from gemmalab.k8s import run_notebook
+from gemmalab.train import checkpoints
+from gemmalab.train.experiment import Experiment
+
+
+def _config(tmp_path, cache_dir, stories_file, name, **overrides):
+    values = dict(data_path=str(stories_file), cache_dir=str(cache_dir),
+                  output_dir=str(tmp_path / name), batch_size=8, maxlen=64, max_steps=12,
+                  eval_every=6, checkpoint_every=4, tokenizer_vocab_size=600,
+                  tokenize_workers=1, seed=5, compute_dtype="float32")
+    return TrainConfig(**{**values, **overrides})
+
+
+def _metric_rows(output_dir):
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(output_dir):
+    rows = _metric_rows(output_dir)
+    return [r["step"] for r in rows], np.asarray([r["loss"] for r in rows])
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def _crash_at(experiment, step):
+    """Make the run die (as a kill would) when it is about to run ``step``."""
+    real = experiment.train_step
+    calls = {"n": experiment.weights.start_step}
+
+    def step_or_crash(state, batch, frozen=None):
+        calls["n"] += 1
+        if calls["n"] == step:
+            raise Crash(f"killed before step {step}")
+        return real(state, batch, frozen)
+
+    experiment.__dict__["train_step"] = step_or_crash
+
+
+def crashed_run(config, step):
+    """A run of ``config`` killed before ``step``, its pending checkpoint saves finished."""
+    first = Experiment.prepare(config)
+    _crash_at(first, step)
+    with pytest.raises(Crash):
+        first.train(progress=False)
+    first.checkpoints.wait()
+    return first
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache_dir, stories_file):
+    tmp_path = tmp_path_factory.mktemp("resume")
+    experiment = Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "whole"))
+    experiment.train(progress=False)
+    return tmp_path, experiment
+
+
+def test_a_crashed_run_resumes_exactly(uninterrupted, cache_dir, stories_file):
+    """Killed before step 7 (checkpoint at 4), then started again: the same 12 per-step losses
+    and the same final params, bit for bit (same devices, same compiled step, same batches)."""
+    tmp_path, whole = uninterrupted
+    config = _config(tmp_path, cache_dir, stories_file, "crashed")
+    first = crashed_run(config, 7)
+    assert first.checkpoints.steps() == [4]
+
+    second = Experiment.prepare(config)
+    assert second.weights.start_step == 4
+    summary = second.train(progress=False)
+    steps, losses = _losses(tmp_path / "crashed")
+    whole_steps, whole_losses = _losses(tmp_path / "whole")
+    assert steps == whole_steps == list(range(1, 13))  # rows 5-6 of the crashed try replaced
+    np.testing.assert_array_equal(losses, whole_losses)
+    for a, b in zip(jax.tree.leaves(second.weights.state.params),
+                    jax.tree.leaves(whole.weights.state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert summary["steps"] == 12 and summary["final_eval_loss"] == whole.summary[
+        "final_eval_loss"]
+    assert second.checkpoints.steps() == [4, 8, 12]
+
+
+def test_a_finished_run_resumes_to_its_end(uninterrupted, cache_dir, stories_file, capsys):
+    tmp_path, whole = uninterrupted
+    again = Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "whole"))
+    assert again.weights.start_step == 12
+    assert "resumed from step 12" in capsys.readouterr().out
+    for a, b in zip(jax.tree.leaves(again.weights.state.params),
+                    jax.tree.leaves(whole.weights.state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_data_position_is_restored(uninterrupted, cache_dir, stories_file):
+    """After a restore the iterator yields the batch the uninterrupted run would take next."""
+    tmp_path, _ = uninterrupted
+    config = _config(tmp_path, cache_dir, stories_file, "position", checkpoint_every=3,
+                     max_steps=6)
+    run = Experiment.prepare(config)
+    _crash_at(run, 5)
+    with pytest.raises(Crash):
+        run.train(progress=False)
+    run.checkpoints.wait()
+    fresh = Experiment.prepare(dataclasses.replace(config, output_dir=str(tmp_path / "p2")))
+    expected = [next(fresh.data.train_iterator) for _ in range(5)][3]  # the 4th batch
+    resumed = Experiment.prepare(config)
+    assert resumed.weights.start_step == 3
+    got = next(resumed.data.train_iterator)
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name])
+
+
+@pytest.mark.parametrize(("field", "value"), [("maxlen", 32), ("batch_size", 16), ("seed", 6),
+                                              ("model", "gemma3-270m")])
+def test_resuming_with_another_config_names_the_field(uninterrupted, cache_dir, stories_file,
+                                                      field, value):
+    tmp_path, _ = uninterrupted
+    config = _config(tmp_path, cache_dir, stories_file, "whole", **{field: value},
+                     mesh={"fsdp": -1})
+    with pytest.raises(ConfigError, match=f"^{field}: .* differs from .* of the run "
+                                          "checkpointed in") as error:
+        Experiment.prepare(config)
+    assert "\n" not in str(error.value) and "or a new output_dir" in str(error.value)
+
+
+def test_resume_false_needs_an_empty_directory(uninterrupted, cache_dir, stories_file, tmp_path):
+    done, _ = uninterrupted
+    with pytest.raises(ConfigError, match="^resume: .* holds the checkpoints of an earlier run"):
+        Experiment.prepare(_config(done, cache_dir, stories_file, "whole", resume=False))
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="^resume: resume=False but .* is not empty"):
+        Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "busy", resume=False))
+
+
+def _restore_target(run, tmp_path):
+    """The abstract state of ``run`` and a data iterator at its start, to restore into."""
+    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                              sharding=leaf.sharding),
+                            run.weights.state)
+    fresh = Experiment.prepare(dataclasses.replace(run.config, output_dir=str(tmp_path / "fresh")))
+    return abstract, fresh.data.train_iterator
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(uninterrupted, tmp_path):
+    done, whole = uninterrupted
+    copy = tmp_path / "copy"
+    shutil.copytree(done / "whole" / "checkpoints", copy / "checkpoints")
+    newest = max(int(p.name) for p in (copy / "checkpoints").iterdir() if p.name.isdigit())
+    for path in (copy / "checkpoints" / str(newest) / "state").rglob("*"):
+        if path.is_file() and path.stat().st_size > 64:
+            path.write_bytes(path.read_bytes()[:16])  # truncated, as by a full disk
+    saved = checkpoints.TrainCheckpoints(str(copy), keep=3)
+    abstract, fresh_iterator = _restore_target(whole, tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, state = saved.restore_latest(abstract, fresh_iterator)
+    assert step == newest - 4 and int(state.step) == step
+    assert any(f"{newest} does not load" in str(w.message) for w in caught)
+
+
+# --- real processes: papermill runs of train.ipynb killed with SIGKILL, then SIGTERM --------
+
+shutil_usage = namedtuple("usage", "total used free")
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "train.ipynb"
+
+
+def _papermill_command(output_dir, cache_dir, stories_file, name):
+    # The tiny preset from random init (the notebook's default is the embedded real base).
+    values = dict(model="gemma3-tiny", checkpoint="", lora_rank=0,
+                  data_path=str(stories_file), cache_dir=str(cache_dir),
+                  output_dir=str(output_dir), batch_size=16, maxlen=128, max_steps=32,
+                  eval_every=0, checkpoint_every=8, log_every=1, tokenizer_vocab_size=600,
+                  tokenize_workers=1, seed=5, compute_dtype="float32", max_new_tokens=4)
+    argv = [str(NOTEBOOK), str(output_dir.parent / f"{name}.ipynb"), "--no-progress-bar"]
+    for key, value in values.items():
+        argv += ["-p", key, str(value)]
+    return argv
+
+
+def _rows(output_dir):
+    path = output_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _start(argv, runner):
+    command = [sys.executable, "-m", runner, *argv]
+    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_rows(process, output_dir, rows, timeout=300):
+    deadline = time.monotonic() + timeout
+    while _rows(output_dir) < rows:
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "the run did not reach the step in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_papermill_runs_survive_sigkill_and_sigterm(tmp_path, cache_dir, stories_file):
+    """SIGKILL to papermill and its kernel between checkpoints, then SIGTERM to the container
+    entry point (as GKE sends it), then a last start: the same 32 per-step losses as one
+    uninterrupted run, nothing lost from metrics.jsonl."""
+    output_dir = tmp_path / "run"
+    argv = _papermill_command(output_dir, cache_dir, stories_file, "out")
+
+    killed = _start(argv, "papermill")
+    _wait_for_rows(killed, output_dir, 12)  # past the checkpoint at step 8
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    reached = _rows(output_dir)
+    assert 12 <= reached < 32
+
+    stopped = _start(argv, "gemmalab.k8s.run_notebook")
+    _wait_for_rows(stopped, output_dir, reached + 4)
+    os.kill(stopped.pid, signal.SIGTERM)
+    log = stopped.communicate(timeout=120)[0]
+    assert stopped.returncode == run_notebook.PREEMPTED_EXIT_CODE, log[-3000:]
+    notebook = (tmp_path / "out.ipynb").read_text()
+    assert "resumed from step 8" in notebook
+    stop_step = int(re.search(r"stopped by SIGTERM after step (\d+)", notebook).group(1))
+    assert reached < stop_step < 32
+    assert (output_dir / "checkpoints" / str(stop_step)).is_dir()
+
+    finished = _start(argv, "papermill")
+    log = finished.communicate(timeout=600)[0]
+    assert finished.returncode == 0, log[-3000:]
+    assert f"resumed from step {stop_step}" in (tmp_path / "out.ipynb").read_text()
+    steps, losses = _losses(output_dir)
+    assert steps == list(range(1, 33))
+
+    reference = Experiment.prepare(TrainConfig(
+        data_path=str(stories_file), cache_dir=str(cache_dir), output_dir=str(tmp_path / "ref"),
+        batch_size=16, maxlen=128, max_steps=32, eval_every=0, checkpoint_every=8,
+        tokenizer_vocab_size=600, tokenize_workers=1, seed=5, compute_dtype="float32"))
+    reference.train(progress=False)
+    np.testing.assert_array_equal(losses, _losses(tmp_path / "ref")[1])
+    # The same token rows at every step: no batch skipped or seen twice across the restarts.
+    assert [r["batch_crc32"] for r in _metric_rows(output_dir)] == [
+        r["batch_crc32"] for r in _metric_rows(tmp_path / "ref")]
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["steps"] == 32
+
+
+# --- guards -----------------------------------------------------------------------------------
+
+
+def test_a_diverging_run_stops_naming_the_step_and_the_last_good_checkpoint(
+        tmp_path, cache_dir, stories_file):
+    config = _config(tmp_path, cache_dir, stories_file, "diverge", learning_rate=1e30,
+                     checkpoint_every=1, eval_every=0)
+    run = Experiment.prepare(config)
+    with pytest.raises(TrainingDiverged) as error:
+        run.train(progress=False)
+    message = str(error.value)
+    step = int(re.search(r"at step (\d+);", message).group(1))
+    assert step >= 2 and "\n" not in message and "skip_nonfinite=True" in message
+    assert f"the last good checkpoint is {run.checkpoints.directory}/{step - 1}" in message
+
+
+def test_skip_nonfinite_leaves_the_weights_of_a_bad_step_alone(tmp_path, cache_dir,
+                                                               stories_file):
+    config = _config(tmp_path, cache_dir, stories_file, "skip", learning_rate=1e30,
+                     eval_every=0, skip_nonfinite=True, max_steps=6)
+    run = Experiment.prepare(config)
+    summary = run.train(progress=False)
+    rows = [json.loads(line) for line in
+            (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 6 and summary["skipped_steps"] >= 1
+    assert summary["skipped_steps"] == sum(r["skipped"] for r in rows)
+    params = run.weights.state.params
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(params))
+
+
+def test_an_unwritable_or_full_output_dir_is_refused_before_any_work(tmp_path, cache_dir,
+                                                                     stories_file, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="^output_dir: cannot write to .*a-file/run"):
+        Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "a-file/run"))
+
+    monkeypatch.setattr("shutil.disk_usage", lambda path: shutil_usage(total=1e9, used=1e9,
+                                                                       free=1000))
+    with pytest.raises(ConfigError, match=r"^output_dir: .* has 0.00 GiB free but a checkpoint "
+                                          r"and the final params need ~0.0\d GiB"):
+        Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "full"))
+
+
+def test_a_save_cut_short_is_not_a_checkpoint(uninterrupted, tmp_path):
+    """What a kill during a save leaves (Orbax's temporary directory, never renamed into place)
+    is ignored: the newest finished checkpoint is restored."""
+    done, whole = uninterrupted
+    copy = tmp_path / "copy" / "checkpoints"
+    shutil.copytree(done / "whole" / "checkpoints", copy)
+    partial = copy / "16.orbax-checkpoint-tmp-1764460000000000"
+    shutil.copytree(copy / "12", partial)
+    (partial / "commit_success.txt").unlink(missing_ok=True)
+    for path in (partial / "state").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"")
+    saved = checkpoints.TrainCheckpoints(str(tmp_path / "copy"), keep=3)
+    assert saved.steps() == [4, 8, 12]  # (Orbax also deletes the leftover, in its own time)
+    abstract, fresh_iterator = _restore_target(whole, tmp_path)
+    step, _ = saved.restore_latest(abstract, fresh_iterator)
+    assert step == 12
