@@ -110,9 +110,9 @@ MUTANTS = {
     "lr_doubled": "learning_rate = 6e-3",
     # The loss mask dropped: padding becomes a target, as in the tutorial.
     "mask_dropped": (
-        "import gemmalab.train.optimization as _training\n"
-        "_masked = _training.masked_cross_entropy\n"
-        "_training.masked_cross_entropy = lambda logits, targets, mask: "
+        "import gemmalab.model.cross_entropy as _loss\n"
+        "_masked = _loss.masked_cross_entropy\n"
+        "_loss.masked_cross_entropy = lambda logits, targets, mask: "
         "_masked(logits, targets, mask | True)"),
 }
 

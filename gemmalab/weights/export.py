@@ -135,7 +135,7 @@ def _cast(params: dict, dtype: str) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gemmalab.weights.export",
+    p = argparse.ArgumentParser(prog="python -m gemmalab.weights",
                                 description="Export a finished run: Hugging Face Gemma3ForCausalLM "
                                 "(hf), gemma's Orbax params (gemma) or PEFT LoRA adapters (peft).")
     p.add_argument("--run", required=True, help="the run's output_dir")
