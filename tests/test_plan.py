@@ -4,6 +4,7 @@ Experiment.prepare, and the exact plan compiled by libtpu for a TPU topology."""
 import dataclasses
 import json
 import re
+from collections import namedtuple
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +177,10 @@ def test_training_refuses_before_tokenizing_or_loading_weights(four_gib_devices,
     monkeypatch.setattr(token_cache, "load_or_build_token_cache", forbidden)
     monkeypatch.setattr(documents, "resolve_corpus", forbidden)
     monkeypatch.setattr(presets, "build_model", forbidden)
+    # A 4B run's checkpoints need ~58 GiB; the disk check is not what this test is about, so
+    # it must not depend on the free space of the machine running it.
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda path: usage(total=2**50, used=0, free=2**50))
     config = TrainConfig(model="gemma3-4b", tokenizer="gemma3", batch_size=8, maxlen=64,
                          output_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="^mesh: gemma3-4b needs ~"):
