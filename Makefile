@@ -82,11 +82,13 @@ interop: $(STAMP) $(INTEROP)/.installed
 # The demo's recipe on 2 CPU cores (bench/demo_recipe.py, docs/benchmarks.md): the notebook's
 # defaults (the embedded Gemma 3 270M, LoRA r8) at a size that trains in minutes, also on CPUs
 # without bf16 matmul units (16 steps of 15 s there; ~5 s with AMX).
+# papermill's command line, the kernel ended as soon as the last cell is done (gemmalab/headless.py).
+HEADLESS := $(VENV)/bin/python -m gemmalab.headless
 DEMO := -p batch_size 8 -p maxlen 128 -p max_steps 16 -p learning_rate 1e-3 \
 	-p embedded_stories 2000 -p max_eval_stories 16 -p eval_every 8
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
-	$(VENV)/bin/papermill notebooks/train.ipynb $(DEMO_DIR)/train.ipynb $(DEMO) \
+	$(HEADLESS) notebooks/train.ipynb $(DEMO_DIR)/train.ipynb $(DEMO) \
 		-p output_dir $(DEMO_DIR) --log-output --no-progress-bar
 	@$(VENV)/bin/python -m gemmalab.inspect.summary $(DEMO_DIR)/summary.json
 
@@ -95,7 +97,7 @@ TINY := -p model gemma3-tiny -p checkpoint "" -p lora_rank 0 -p max_new_tokens 6
 DEMO_TINY_DIR ?= runs/demo-tiny
 demo-tiny: $(STAMP)
 	rm -rf $(DEMO_TINY_DIR) && mkdir -p $(DEMO_TINY_DIR)
-	$(VENV)/bin/papermill notebooks/train.ipynb $(DEMO_TINY_DIR)/train.ipynb $(TINY) \
+	$(HEADLESS) notebooks/train.ipynb $(DEMO_TINY_DIR)/train.ipynb $(TINY) \
 		-p output_dir $(DEMO_TINY_DIR) --log-output --no-progress-bar
 	@$(VENV)/bin/python -m gemmalab.inspect.summary $(DEMO_TINY_DIR)/summary.json
 
