@@ -1,4 +1,5 @@
-"""Will a run fit? Per-device memory of a training run, before renting the slice.
+"""Will a run fit, and how long could it take? Per-device memory and a roofline time of a training
+run, before renting the slice.
 
 One description of the run (a ``TrainConfig``: model, mesh, batch, maxlen, remat, dtypes) and an
 accelerator (``"v6e:2x4"``, ``"v5p:2x2x2"``, ``"h200:8"``) give a ``MemoryPlan`` two ways:
@@ -11,6 +12,12 @@ accelerator (``"v6e:2x4"``, ``"v5p:2x2x2"``, ``"h200:8"``) give a ``MemoryPlan``
   compiled by libtpu for the topology, on a CPU-only machine; XLA's own memory analysis and
   FLOP count. It runs in a subprocess (``python -m gemmalab.plan``) with libtpu from
   ``.libtpu/`` (``make libtpu``), so the calling process never loads the TPU runtime.
+
+Either plan also carries the step's HBM traffic per device (an analytic lower bound, or XLA's
+``bytes accessed``) and so a roofline (``MemoryPlan.roofline``): the step can take no less than
+the larger of its FLOPs at the chip's peak and its bytes at the chip's HBM bandwidth. That is an
+upper bound on speed (a floor on time), with the run's steps and, given a price per chip-hour,
+its cost.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import os
 import re
 import subprocess
@@ -43,16 +51,20 @@ class Chip:
     platform: str  # "tpu" | "gpu" | "cpu"
     memory_gib: float  # HBM per chip
     peak_tflops: float  # dense bf16 per chip
+    hbm_gb_s: float  # HBM bandwidth per chip, GB/s (1e9 bytes)
     topology_dims: int = 0  # TPU: 2 (e.g. 2x4) or 3 (e.g. 2x2x2); 0 for GPUs
 
 
+# Peak dense bf16 FLOP/s and HBM bandwidth as the vendors' spec sheets publish them (Google Cloud's
+# TPU v4, v5e, v5p and v6e (Trillium) system-architecture pages; NVIDIA's H100 SXM and H200
+# datasheets).
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("tpu", 32, 275, 3),
-    "v5e": Chip("tpu", 16, 197, 2),
-    "v5p": Chip("tpu", 95, 459, 3),
-    "v6e": Chip("tpu", 32, 918, 2),
-    "h100": Chip("gpu", 79.6, 989),  # 81,559 MiB as the driver reports it
-    "h200": Chip("gpu", 140.4, 989),  # 143,771 MiB
+    "v4": Chip("tpu", 32, 275, 1200, 3),
+    "v5e": Chip("tpu", 16, 197, 819, 2),
+    "v5p": Chip("tpu", 95, 459, 2765, 3),
+    "v6e": Chip("tpu", 32, 918, 1640, 2),
+    "h100": Chip("gpu", 79.6, 989, 3350),  # SXM; 81,559 MiB as the driver reports it
+    "h200": Chip("gpu", 140.4, 989, 4800),  # 143,771 MiB
 }
 # jax's device_kind of attached chips.
 DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
@@ -69,6 +81,7 @@ class Accelerator:
     memory_bytes: int  # per chip
     peak_flops: float | None  # per chip, None where unknown (CPU)
     topology: str = ""  # libtpu's topology name, TPU only
+    hbm_bytes_per_s: float | None = None  # per chip, None where unknown (CPU)
 
     @property
     def platform(self) -> str:
@@ -102,7 +115,7 @@ def parse_accelerator(spec: str) -> Accelerator:
                               f"use {chip.topology_dims} chip counts, e.g. '{kind}:{example}'")
         chips, topology = math.prod(int(n) for n in shape.split("x")), f"{kind}:{shape}"
     return Accelerator(kind, chips, int(chip.memory_gib * GIB), chip.peak_tflops * 1e12,
-                       topology)
+                       topology, chip.hbm_gb_s * 1e9)
 
 
 def attached_accelerator(devices: list[Any] | None = None) -> Accelerator:
@@ -123,7 +136,7 @@ def attached_accelerator(devices: list[Any] | None = None) -> Accelerator:
         return Accelerator(first.platform, len(devices), int(memory), None)
     chip = CHIPS[kind]
     return Accelerator(kind, len(devices), int(stats or chip.memory_gib * GIB),
-                       chip.peak_tflops * 1e12)
+                       chip.peak_tflops * 1e12, hbm_bytes_per_s=chip.hbm_gb_s * 1e9)
 
 
 def _memory_stats(device: Any) -> int:
@@ -151,10 +164,89 @@ def host_memory_bytes() -> int:
 # ---------------------------------------------------------------------------------------------
 # The plan.
 
+ROOFLINE_NOTE = ("an upper bound on speed (a floor on time): the step's FLOPs at 100% of the "
+                 "chips' dense bf16 peak or its HBM bytes at 100% of their bandwidth, whichever "
+                 "takes longer; no communication, no host time, no overlap lost, so a real run "
+                 "is slower")
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """The fastest a step (and the run) can go on these chips: ``MemoryPlan.roofline``."""
+
+    compute_seconds: float  # the step's model FLOPs per device at the chip's peak
+    memory_seconds: float  # its HBM bytes per device at the chip's bandwidth
+    tokens_per_step: int  # batch_size x maxlen (padding included), every micro-batch
+    chips: int
+    run_steps: int | None  # None: the run's length is unknown (no datacount nor max_steps)
+    price_per_chip_hour: float | None = None
+    bytes_source: str = "analytic lower bound"
+
+    @property
+    def step_seconds(self) -> float:
+        return max(self.compute_seconds, self.memory_seconds)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_seconds >= self.memory_seconds else "memory"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_seconds if self.step_seconds else math.inf
+
+    @property
+    def run_seconds(self) -> float | None:
+        return None if self.run_steps is None else self.run_steps * self.step_seconds
+
+    @property
+    def cost(self) -> float | None:
+        """The run's price: its hours x chips x the price per chip-hour."""
+        if self.run_seconds is None or self.price_per_chip_hour is None:
+            return None
+        return self.run_seconds / 3600 * self.chips * self.price_per_chip_hour
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step_seconds": self.step_seconds, "bound": self.bound,
+                "compute_seconds": self.compute_seconds, "memory_seconds": self.memory_seconds,
+                "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
+                "run_steps": self.run_steps, "run_seconds": self.run_seconds,
+                "price_per_chip_hour": self.price_per_chip_hour, "cost": self.cost,
+                "bytes_source": self.bytes_source,
+                "note": ROOFLINE_NOTE + ("" if self.run_steps is not None else
+                                         "; run length unknown: set datacount or max_steps")}
+
+
+def check_price(price: Any) -> float | None:
+    """A price per chip-hour: None, or a finite number >= 0; else a one-line ``ConfigError``."""
+    if price is None:
+        return None
+    if isinstance(price, bool) or not isinstance(price, numbers.Real) or not math.isfinite(price):
+        raise ConfigError("price_per_chip_hour", f"{price!r} is not a number",
+                          "give what one chip costs for an hour, e.g. 2.7, or None for no cost")
+    if price < 0:
+        raise ConfigError("price_per_chip_hour", f"{price!r} is negative",
+                          "give a price >= 0 per chip-hour, or None for no cost")
+    return float(price)
+
+
+def run_steps(config: TrainConfig) -> int | None:
+    """The run's steps: ``max_steps``, else ``num_epochs`` epochs of ``datacount`` examples one
+    a row (the tutorial's layout); None when ``datacount`` is None (unknown until the data is read).
+
+    A gemmalab run takes fewer: it holds out ``eval_fraction`` of the examples, and packing puts
+    several short ones in a row.
+    """
+    if config.max_steps is not None:
+        return config.max_steps
+    if config.datacount is None:
+        return None
+    return config.num_epochs * math.ceil(config.datacount / config.batch_size)
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Per-device bytes of one training step, by part, against the device's memory."""
+    """Per-device bytes of one training step, by part, against the device's memory; and the
+    step's HBM traffic and FLOPs against the chips' bandwidth and peak (``roofline``)."""
 
     method: str  # "analytic" | "compiled"
     model: str
@@ -173,6 +265,11 @@ class MemoryPlan:
     analytic: MemoryPlan | None = None  # the estimate, beside a compiled plan
     lora_rank: int = 0  # > 0: LoRA adapters train, the base is frozen in the compute dtype
     trainable_params: int = 0  # what has gradients and optimizer state (LoRA: the adapters)
+    # part -> HBM bytes one device reads and writes in a step: the analytic lower bound by part,
+    # or {"xla_bytes_accessed": ...} from the compiled step's cost analysis.
+    traffic: dict[str, int] = dataclasses.field(default_factory=dict)
+    run_steps: int | None = None  # the whole run's (``run_steps``); None: unknown
+    price_per_chip_hour: float | None = None
 
     @property
     def per_device_bytes(self) -> int:
@@ -191,6 +288,27 @@ class MemoryPlan:
         """The step time at 100% MFU: a floor, for planning budgets."""
         peak = self.accelerator.peak_flops
         return self.flops_per_step / (peak * self.accelerator.chips) if peak else None
+
+    @property
+    def bytes_per_device(self) -> int:
+        """HBM bytes one device reads and writes in a step."""
+        return sum(self.traffic.values())
+
+    @property
+    def roofline(self) -> Roofline | None:
+        """The roofline step and run time, an upper bound on speed; None where the chip's peak or
+        bandwidth is unknown (CPUs)."""
+        chips, peak = self.accelerator.chips, self.accelerator.peak_flops
+        bandwidth = self.accelerator.hbm_bytes_per_s
+        if not peak or not bandwidth:
+            return None
+        source = ("analytic lower bound" if self.method == "analytic"
+                  else "XLA cost analysis (bytes accessed)")
+        return Roofline(compute_seconds=self.flops_per_step / chips / peak,
+                        memory_seconds=self.bytes_per_device / bandwidth,
+                        tokens_per_step=self.batch_size * self.maxlen, chips=chips,
+                        run_steps=self.run_steps, price_per_chip_hour=self.price_per_chip_hour,
+                        bytes_source=source)
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -217,6 +335,12 @@ class MemoryPlan:
             "compute_dtype": self.compute_dtype,
             "flops_per_step": self.flops_per_step,
             "step_seconds_at_peak": self.step_seconds_at_peak,
+            "bytes_per_device": self.bytes_per_device,
+            "traffic_gib": {k: round(v / GIB, 3) for k, v in self.traffic.items()},
+            "roofline": (self.roofline.to_dict() if self.roofline else {
+                "step_seconds": None, "bound": None, "tokens_per_s": None,
+                "run_steps": self.run_steps, "run_seconds": None, "cost": None,
+                "note": self.roofline_line()}),
             "compile_seconds": self.compile_seconds,
         }
         if self.analytic is not None:
@@ -228,6 +352,22 @@ class MemoryPlan:
         return (f"{self.model} on {self.accelerator.name} mesh {self.mesh}: "
                 f"{self.per_device_bytes / GIB:.2f} GiB per device of "
                 f"{self.usable_bytes / GIB:.2f} GiB usable -> {verdict} ({self.method})")
+
+    def roofline_line(self) -> str:
+        """The time plan in one line, labelled as the upper bound on speed it is."""
+        roof = self.roofline
+        if roof is None:
+            return f"no roofline: no published peak or bandwidth for {self.accelerator.kind}"
+        if roof.run_seconds is None:
+            run = "run length unknown (set datacount or max_steps)"
+        else:
+            run = f"{roof.run_steps} steps >= {roof.run_seconds:,.1f} s"
+            if roof.cost is not None:
+                run += f" >= {roof.cost:,.3f} at {roof.price_per_chip_hour:g} per chip-hour"
+        return (f"roofline (upper bound on speed): step >= {roof.step_seconds * 1e3:,.1f} ms "
+                f"({roof.bound}-bound: compute {roof.compute_seconds * 1e3:,.1f} ms, HBM "
+                f"{self.bytes_per_device / 1e9:,.1f} GB {roof.memory_seconds * 1e3:,.1f} ms), "
+                f"<= {roof.tokens_per_s:,.0f} tokens/s; {run}")
 
 
 def vocab_size_hint(config: TrainConfig) -> int:
@@ -271,14 +411,17 @@ def resolved_mesh(config: TrainConfig, chips: int) -> dict[str, int]:
     return {**sizes, DATA_AXIS: sizes[DATA_AXIS] * config.num_slices}
 
 
-def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
-    """The analytic plan: instant, no accelerator needed."""
+def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
+             price_per_chip_hour: float | None = None) -> MemoryPlan:
+    """The analytic plan: instant, no accelerator needed. ``price_per_chip_hour``: what one chip
+    costs an hour, for the roofline's run cost."""
     import jax
     import numpy as np
     from jax.sharding import AbstractMesh
 
     from gemmalab.model import presets, sharding
 
+    price_per_chip_hour = check_price(price_per_chip_hour)
     if isinstance(accelerator, str):
         accelerator = parse_accelerator(accelerator)
     sizes = resolved_mesh(config, accelerator.chips)
@@ -297,14 +440,17 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
 
     shards = {}  # module (embedder, layer_0, ...) -> elements one device holds
     gathered = {}  # module -> elements after the fsdp all-gather (weights split over fsdp)
+    used = {}  # module -> elements one device's matmuls read (its shard, fsdp's split undone)
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         spec = sharding.weight_spec(path, leaf.shape, abstract_mesh)
         per_device = math.prod(dim // _ways(axis, sizes) for dim, axis in
                                zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim, strict=False))
         module = sharding.dict_path(path)[0]
         shards[module] = shards.get(module, 0) + per_device
+        whole = per_device * (sizes[FSDP_AXIS] if FSDP_AXIS in tuple(spec) else 1)
+        used[module] = used.get(module, 0) + whole
         if FSDP_AXIS in tuple(spec):
-            gathered[module] = gathered.get(module, 0) + per_device * sizes[FSDP_AXIS]
+            gathered[module] = gathered.get(module, 0) + whole
     num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
     # Without LoRA every weight trains; with it the adapters (replicated) train and the base
     # weights are held once, frozen, in the compute dtype.
@@ -335,7 +481,11 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str) -> MemoryPlan:
         breakdown=breakdown,
         flops_per_step=model_flops(model_config, num_params, config, adapters=adapters),
         num_params=num_params + adapters, lora_rank=config.lora_rank,
-        trainable_params=adapters if config.lora_rank else num_params)
+        trainable_params=adapters if config.lora_rank else num_params,
+        traffic=_traffic_bytes(model_config, config, sizes, accelerator, shards=shards,
+                               used=used, trained=trained, p_size=p_size, c_size=c_size,
+                               vocab=vocab),
+        run_steps=run_steps(config), price_per_chip_hour=price_per_chip_hour)
 
 
 def _ways(axis: Any, sizes: dict[str, int]) -> int:
@@ -375,14 +525,8 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
 
     ``splash``: attention by the splash kernel (gemmalab.model.attention), which keeps no scores.
     """
-    tensor = sizes["tensor"]
-
-    def split(n: int) -> int:
-        return n // tensor if n % tensor == 0 else n
-
-    d, hd, length = model_config.embed_dim, model_config.head_dim, config.maxlen
-    heads, kv_heads = split(model_config.num_heads), split(model_config.num_kv_heads)
-    ffw = split(model_config.hidden_dim)
+    d, hd, heads, kv_heads, ffw = _block_dims(model_config, sizes)
+    length = config.maxlen
     rows = config.batch_size // (sizes["data"] * sizes["fsdp"] * config.grad_accum_steps)
     tokens = rows * length
     # Per token of one block, what XLA keeps for the backward pass (calibrated against the
@@ -401,6 +545,76 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
     layers = model_config.num_layers
     working = 0 if config.remat == "none" else block  # one block recomputed at a time
     return tokens * (layers * kept + working + block + 4 * d * c_size)
+
+
+def _block_dims(model_config: Any, sizes: dict[str, int]) -> tuple[int, int, int, int, int]:
+    """Embed and head dimension, and the heads, KV heads and MLP width one device computes."""
+    tensor = sizes["tensor"]
+
+    def split(n: int) -> int:
+        return n // tensor if n % tensor == 0 else n
+
+    return (model_config.embed_dim, model_config.head_dim, split(model_config.num_heads),
+            split(model_config.num_kv_heads), split(model_config.hidden_dim))
+
+
+def _loss_chunks(config: TrainConfig, vocab: int) -> int:
+    """How many logits chunks the loss of one micro-batch runs in (``chunked_cross_entropy``);
+    1: the whole micro-batch's logits at once, kept for the backward pass."""
+    from gemmalab.model.cross_entropy import LOSS_CHUNK_LOGITS
+
+    span = max(1, LOSS_CHUNK_LOGITS // vocab // (config.batch_size // config.grad_accum_steps))
+    return 1 if span >= config.maxlen else -(-config.maxlen // span)
+
+
+def _traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int],
+                   accelerator: Accelerator, *, shards: dict[str, int], used: dict[str, int],
+                   trained: int, p_size: int, c_size: int, vocab: int) -> dict[str, int]:
+    """HBM bytes one device reads and writes in a step, by part: a lower bound (each tensor
+    written once and read once per use; what fuses away in VMEM/caches is not counted, nor are
+    collectives or the program's small tensors).
+
+    - weights: the master copy cast to the compute dtype once a step (full fine-tuning), each
+      block's weights read in the forward pass, the backward pass and remat's recompute (each
+      micro-batch), and the embedding read as the output projection by every logits chunk in
+      the forward pass, its recompute and the backward pass;
+    - gradients: written once per micro-batch (the embedding's accumulated over the chunks),
+      the float32 accumulator read and written per micro-batch, then read by the clip's norm and
+      by the update;
+    - optimizer: AdamW reads and writes the master weights and both moments;
+    - activations: what the backward pass needs of each block, written once and read once (the
+      attention scores only where they are materialised: gemma's own attention);
+    - logits: each chunk's logits written and read in the forward pass, again in its recompute
+      (chunked), and their gradient written and read, in the compute dtype.
+    """
+    from gemmalab.model import attention
+
+    accum = config.grad_accum_steps
+    lora = bool(config.lora_rank)
+    passes = 2 + (config.remat != "none")
+    chunks = _loss_chunks(config, vocab)
+    embedding = used.get("embedder", 0)
+    blocks = sum(n for module, n in used.items() if module != "embedder")
+    cast = 0 if lora or p_size == c_size else sum(shards.values()) * (p_size + c_size)
+    head_reads = 3 * chunks if chunks > 1 else 2
+    weights = cast + accum * (passes * blocks + head_reads * embedding) * c_size
+    gradients = trained * (accum * c_size + 2 * (p_size if accum > 1 else c_size))
+    if accum > 1:
+        gradients += 2 * accum * trained * p_size
+    if not lora and chunks > 1:  # the embedding's gradient, read and written by every chunk
+        gradients += 2 * accum * (chunks - 1) * embedding * c_size
+    d, hd, heads, kv_heads, ffw = _block_dims(model_config, sizes)
+    tokens = config.batch_size // (sizes[DATA_AXIS] * sizes[FSDP_AXIS] * accum) * config.maxlen
+    block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw) * c_size
+    impl = attention.resolve(config.attention, accelerator.platform)
+    if impl == "gemma" or (impl == "dot_product" and accelerator.platform != "gpu"):
+        block += heads * config.maxlen * 2 * 4  # float32 scores and probabilities
+    kept_input = 2 * d * c_size if config.remat == "full" else 0
+    activations = accum * tokens * model_config.num_layers * (2 * block + kept_input)
+    vocab_shard = vocab // sizes["tensor"] if vocab % sizes["tensor"] == 0 else vocab
+    logits = accum * tokens * vocab_shard * c_size * (6 if chunks > 1 else 5)
+    return {"weights": weights, "gradients": gradients, "optimizer": 6 * trained * p_size,
+            "activations": activations, "logits": logits}
 
 
 def _logits_bytes(config: TrainConfig, sizes: dict[str, int], vocab: int, data_ways: int) -> int:
@@ -597,15 +811,18 @@ def find_libtpu() -> str | None:
 
 
 def compile_plan(config: TrainConfig, accelerator: Accelerator | str, *,
-                 timeout_s: float = 3600) -> MemoryPlan:
+                 timeout_s: float = 3600, price_per_chip_hour: float | None = None) -> MemoryPlan:
     """The exact plan: XLA's memory analysis of the step compiled by libtpu for the topology.
 
     Runs ``AOT_COMPILER`` (the train stage's step, compiled ahead of time) in a subprocess that
     loads libtpu (CPU-only machines welcome); the analytic estimate rides along for comparison.
+    The roofline then takes XLA's FLOPs and bytes accessed of the compiled step (which count a
+    loop's body once: the loss's chunks and gradient accumulation's micro-batches are loops).
     """
     if isinstance(accelerator, str):
         accelerator = parse_accelerator(accelerator)
-    analytic = estimate(config, accelerator)  # validates mesh and batch first, instantly
+    # Validates mesh, batch and price first, instantly.
+    analytic = estimate(config, accelerator, price_per_chip_hour=price_per_chip_hour)
     if accelerator.platform != "tpu":
         raise ConfigError("exact", f"the exact plan compiles for TPUs, not {accelerator.kind}",
                           "use exact=False (the analytic estimate) for GPUs")
@@ -628,13 +845,15 @@ def compile_plan(config: TrainConfig, accelerator: Accelerator | str, *,
     compiled = json.loads(result.stdout.strip().splitlines()[-1])
     return dataclasses.replace(analytic, method="compiled", breakdown=compiled["breakdown"],
                                flops_per_step=compiled["flops"],
+                               traffic={"xla_bytes_accessed": int(compiled["bytes_accessed"])},
                                compile_seconds=compiled["seconds"], analytic=analytic)
 
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Per-device memory of a gemmalab training run.")
+    parser = argparse.ArgumentParser(description="Per-device memory of a gemmalab training run, "
+                                     "and its roofline time (an upper bound on speed).")
     parser.add_argument("--model", default="gemma3-270m")
     parser.add_argument("--accelerator", default="v6e")
     parser.add_argument("--mesh", default=None, help='JSON, e.g. \'{"fsdp": -1}\'')
@@ -644,6 +863,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grad-accum-steps", type=int, default=1)
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
     parser.add_argument("--lora-modules", default="all")
+    parser.add_argument("--datacount", type=int, default=None,
+                        help="examples in the run, for its length (None: unknown)")
+    parser.add_argument("--num-epochs", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=None, help="the run's steps instead")
+    parser.add_argument("--price-per-chip-hour", type=float, default=None,
+                        help="what one chip costs an hour: the roofline run's cost")
     parser.add_argument("--exact", action="store_true", help="compile with libtpu (TPU only)")
     parser.add_argument("--table", action="store_true",
                         help="markdown: what fits on 1-32 chips of --accelerator's kind")
@@ -658,10 +883,13 @@ def main(argv: list[str] | None = None) -> None:
     config = TrainConfig(model=args.model, mesh=json.loads(args.mesh) if args.mesh else None,
                          batch_size=args.batch_size, maxlen=args.maxlen, remat=args.remat,
                          grad_accum_steps=args.grad_accum_steps, lora_rank=args.lora_rank,
-                         lora_modules=args.lora_modules,
+                         lora_modules=args.lora_modules, datacount=args.datacount,
+                         num_epochs=args.num_epochs, max_steps=args.max_steps,
                          tokenizer="local" if args.model == "gemma3-tiny" else "gemma3")
-    plan = (compile_plan if args.exact else estimate)(config, args.accelerator)
+    plan = (compile_plan if args.exact else estimate)(
+        config, args.accelerator, price_per_chip_hour=args.price_per_chip_hour)
     print(json.dumps(plan.to_dict(), indent=2))
+    print(plan.summary_line(), plan.roofline_line(), sep="\n", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The memory planner: accelerators, the analytic plan against real shards, the refusal in
-Experiment.prepare, and the exact plan compiled by libtpu for a TPU topology."""
+"""The memory planner: accelerators, the analytic plan against real shards, the roofline time
+against the tutorial's published run, the refusal in Experiment.prepare, and the exact plan
+compiled by libtpu for a TPU topology."""
 
 import dataclasses
 import json
@@ -30,6 +31,7 @@ def test_accelerators(spec, chips, memory_gib, platform):
     assert accelerator.chips == chips and accelerator.platform == platform
     assert accelerator.memory_bytes == pytest.approx(memory_gib * GIB, rel=1e-6)
     assert accelerator.peak_flops > 1e14
+    assert accelerator.hbm_bytes_per_s == plan.CHIPS[accelerator.kind].hbm_gb_s * 1e9 > 8e11
 
 
 @pytest.mark.parametrize(("spec", "fragment"), [
@@ -128,6 +130,105 @@ def test_a_plan_is_written_as_json_with_the_contract_keys():
                                                                      "tensor": 1}
 
 
+# --- the time plan: a roofline, against the tutorial's published run -------------------------
+
+# The tutorial's run: Gemma3-270M fully fine-tuned, AdamW, 96,000 stories one a row in batches of
+# 128 x 256 (750 steps) on one v6e chip, in 294.7 s (~83k padded tokens/s, ~15% MFU).
+TUTORIAL = TrainConfig(model="gemma3-270m", tokenizer="gemma3", batch_size=128, maxlen=256,
+                       datacount=96_000, lora_rank=0)
+TUTORIAL_SECONDS = 294.7
+
+
+def test_the_roofline_of_the_tutorials_run_is_a_floor_under_its_measured_time():
+    memory_plan = plan.estimate(TUTORIAL, "v6e", price_per_chip_hour=2.7)
+    roof = memory_plan.roofline
+    assert roof.run_steps == 750 and roof.chips == 1
+    # An upper bound on speed is never slower than a real run, and not absurdly faster.
+    assert TUTORIAL_SECONDS * 0.05 < roof.run_seconds < TUTORIAL_SECONDS
+    assert roof.tokens_per_s > 96_000 * 256 / TUTORIAL_SECONDS
+    # The compute term alone is the model FLOPs at the peak: the published ~15% MFU.
+    assert roof.compute_seconds == pytest.approx(memory_plan.flops_per_step / 918e12, rel=1e-12)
+    assert 750 * roof.compute_seconds / TUTORIAL_SECONDS == pytest.approx(0.15, abs=0.01)
+    # Memory-bound: at embed width 640 the 262k-vocabulary logits (written and read in the
+    # compute dtype) and the loss's per-chunk reads of the embedding outweigh the FLOPs on a
+    # v6e (918 TFLOP/s over 1,640 GB/s: 560 FLOPs a byte) ...
+    assert roof.bound == "memory" and roof.step_seconds == roof.memory_seconds
+    assert max(memory_plan.traffic, key=memory_plan.traffic.get) == "logits"
+    assert roof.memory_seconds == pytest.approx(memory_plan.bytes_per_device / 1640e9, rel=1e-12)
+    # ... but not on an H200 (989 TFLOP/s over 4,800 GB/s: 206 FLOPs a byte).
+    assert plan.estimate(TUTORIAL, "h200").roofline.bound == "compute"
+    assert roof.cost == roof.run_seconds / 3600 * 1 * 2.7
+
+
+def test_a_tiny_batch_is_memory_bound_and_a_long_wide_one_compute_bound():
+    tiny = plan.estimate(dataclasses.replace(TUTORIAL, batch_size=1, maxlen=16), "v6e")
+    assert tiny.roofline.bound == "memory"
+    assert max(tiny.traffic, key=tiny.traffic.get) == "optimizer"  # AdamW's pass over 268M
+    wide = plan.estimate(TrainConfig(model="gemma3-4b", tokenizer="gemma3", batch_size=8,
+                                     maxlen=2048), "v6e")
+    assert wide.roofline.bound == "compute"
+    assert wide.roofline.step_seconds == wide.step_seconds_at_peak
+
+
+def test_the_run_length_and_cost_follow_the_config_and_the_chips():
+    accelerator = plan.parse_accelerator("v6e:2x4")
+    two_epochs = plan.estimate(dataclasses.replace(TUTORIAL, num_epochs=2), accelerator,
+                               price_per_chip_hour=1.5).roofline
+    assert two_epochs.run_steps == 1500 and two_epochs.chips == 8
+    assert two_epochs.run_seconds == 1500 * two_epochs.step_seconds
+    assert two_epochs.cost == two_epochs.run_seconds / 3600 * 8 * 1.5
+    assert two_epochs.tokens_per_s == 128 * 256 / two_epochs.step_seconds
+    # max_steps replaces the epochs; the last partial batch is a step.
+    assert plan.run_steps(dataclasses.replace(TUTORIAL, max_steps=40, num_epochs=3)) == 40
+    assert plan.run_steps(dataclasses.replace(TUTORIAL, datacount=1000)) == 8
+    # Micro-batches split the same rows: the same tokens a step.
+    accumulated = plan.estimate(dataclasses.replace(TUTORIAL, grad_accum_steps=4), "v6e")
+    assert accumulated.roofline.tokens_per_step == 128 * 256
+    unknown = plan.estimate(dataclasses.replace(TUTORIAL, datacount=None), "v6e",
+                            price_per_chip_hour=2.7)
+    document = json.loads(json.dumps(unknown.to_dict()))["roofline"]
+    assert document["run_steps"] is None and document["run_seconds"] is None
+    assert document["cost"] is None and document["step_seconds"] > 0
+    assert "upper bound on speed" in document["note"] and "run length unknown" in document["note"]
+    assert "run length unknown" in unknown.roofline_line()
+
+
+def test_the_plan_json_carries_the_roofline():
+    memory_plan = plan.estimate(TUTORIAL, "v6e", price_per_chip_hour=2.7)
+    document = json.loads(json.dumps(memory_plan.to_dict()))
+    roof = document["roofline"]
+    assert roof["bound"] == "memory" and roof["run_steps"] == 750
+    assert roof["bytes_source"] == "analytic lower bound"
+    assert roof["note"].startswith("an upper bound on speed (a floor on time)")
+    assert roof["step_seconds"] == max(roof["compute_seconds"], roof["memory_seconds"])
+    assert roof["cost"] == pytest.approx(roof["run_seconds"] / 3600 * 2.7, rel=1e-12)
+    assert document["bytes_per_device"] == sum(memory_plan.traffic.values())
+    assert set(document["traffic_gib"]) == {"weights", "gradients", "optimizer", "activations",
+                                            "logits"}
+    line = memory_plan.roofline_line()
+    assert line.startswith("roofline (upper bound on speed): step >= ") and "750 steps" in line
+
+
+def test_cpus_have_no_roofline():
+    memory_plan = plan.estimate(_tiny(), plan.attached_accelerator())
+    assert memory_plan.roofline is None and memory_plan.bytes_per_device > 0
+    document = memory_plan.to_dict()["roofline"]
+    assert document["step_seconds"] is None and "no roofline" in document["note"]
+
+
+@pytest.mark.parametrize(("price", "fragment"), [
+    (-1, "-1 is negative"), ("2.7", "'2.7' is not a number"), (float("nan"), "nan is not"),
+    (True, "True is not a number"), (float("inf"), "inf is not a number"),
+])
+def test_bad_prices_are_one_line_errors(price, fragment):
+    with pytest.raises(ConfigError, match="^price_per_chip_hour: ") as error:
+        plan.estimate(_tiny(), "v6e", price_per_chip_hour=price)
+    assert fragment in str(error.value) and "Fix: " in str(error.value)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="^price_per_chip_hour: "):  # before any compiling
+        plan.compile_plan(_tiny(), "v6e", price_per_chip_hour=price)
+
+
 # --- the refusal --------------------------------------------------------------------------
 
 
@@ -214,6 +315,24 @@ def test_the_compiled_plan_sees_the_sharding_and_agrees_on_flops():
         assert compiled.flops_per_step == pytest.approx(compiled.analytic.flops_per_step,
                                                         rel=0.25)
     assert split.breakdown["arguments"] < 0.5 * replicated.breakdown["arguments"]
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_the_compiled_plan_carries_xla_bytes_accessed_into_its_roofline():
+    config = _tiny(batch_size=16, maxlen=128, compute_dtype="bfloat16", max_steps=100)
+    compiled = plan.compile_plan(config, "v6e:2x2", price_per_chip_hour=1.0)
+    assert set(compiled.traffic) == {"xla_bytes_accessed"} and compiled.bytes_per_device > 0
+    roof = compiled.roofline
+    assert roof.bytes_source == "XLA cost analysis (bytes accessed)"
+    assert roof.memory_seconds == pytest.approx(compiled.bytes_per_device / 1640e9, rel=1e-12)
+    assert roof.compute_seconds == pytest.approx(compiled.flops_per_step / 4 / 918e12, rel=1e-12)
+    assert roof.run_steps == 100 and roof.cost == roof.run_seconds / 3600 * 4 * 1.0
+    document = json.loads(json.dumps(compiled.to_dict()))
+    assert document["roofline"]["bytes_source"].startswith("XLA")
+    assert document["analytic"]["roofline"]["bytes_source"] == "analytic lower bound"
+    # The analytic count is a lower bound: XLA's counts every operation's operands and results.
+    assert compiled.analytic.bytes_per_device <= compiled.bytes_per_device
 
 
 def test_the_exact_plan_needs_a_tpu_target_and_libtpu(monkeypatch):

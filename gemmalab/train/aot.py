@@ -1,5 +1,6 @@
 """The train step compiled ahead of time for a TPU topology, with no chip attached: the exact
-memory plan (``gemmalab.plan.compile_plan`` runs this module in a subprocess that loads libtpu).
+memory plan and its roofline (``gemmalab.plan.compile_plan`` runs this module in a subprocess that
+loads libtpu).
 
     python -m gemmalab.train.aot '{"config": {...}, "accelerator": "v6e:2x4"}'
 """
@@ -22,7 +23,7 @@ from gemmalab.plan import (
 
 def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any]:
     """Lower and compile the train step for the topology's devices: XLA's memory breakdown, its
-    FLOP count and the seconds it took."""
+    FLOP count, one device's bytes accessed and the seconds it took."""
     import time
 
     import jax
@@ -73,9 +74,13 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
         "temporaries": int(memory.temp_size_in_bytes),
         "code": int(memory.generated_code_size_in_bytes),
     }
-    # cost_analysis counts one device's program; the step's FLOPs are every device's.
-    flops = float(cost.get("flops", 0.0)) * len(topology.devices)
-    return {"breakdown": breakdown, "flops": flops, "seconds": time.perf_counter() - start}
+    # cost_analysis counts one device's program; the step's FLOPs are every device's, its bytes
+    # accessed (HBM reads and writes, the roofline's memory term) one device's.
+    flops_per_device = float(cost.get("flops", 0.0))
+    return {"breakdown": breakdown, "flops": flops_per_device * len(topology.devices),
+            "flops_per_device": flops_per_device,
+            "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "seconds": time.perf_counter() - start}
 
 
 def main(argv: list[str] | None = None) -> None:
