@@ -70,3 +70,31 @@ def write_text(path: Path, text: str | bytes) -> Path:
     else:
         path.write_text(text, encoding="utf-8")
     return path
+
+
+# --- parallel runs (``make test``: pytest-xdist, ``--dist loadgroup``) ------------------------
+# A test file runs on one worker, top to bottom, so its module fixtures (a trained run, the real
+# 6 GB base) are built once. The notebook copies run in one group, in their order: data prep
+# builds the token cache that train reads, and train writes the run the later copies read.
+NOTEBOOK_COPIES = TESTS / "notebooks"
+
+
+# The longest groups start first (``--no-loadscope-reorder`` keeps this order), so that no
+# worker is left with a long one at the end while the others idle.
+LONGEST_FIRST = ("notebook-copies", "model/test_attention.py", "test_plan.py",
+                 "test_notebook_regression.py", "train/test_resume.py", "test_notebooks.py",
+                 "train/test_real_base.py", "model/test_sharding.py", "train/test_multiprocess.py",
+                 "test_lab.py", "weights/test_export.py", "model/test_lora.py")
+
+
+def xdist_group(item) -> str:
+    path = Path(item.path)
+    return "notebook-copies" if path.parent == NOTEBOOK_COPIES else \
+        path.relative_to(TESTS).as_posix()
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(xdist_group(item), len(rank)))  # stable: file order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))

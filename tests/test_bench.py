@@ -20,3 +20,20 @@ def test_accelerator_bench_reports_flops_and_mfu():
         assert row["tokens_per_s"] == pytest.approx(row["batch"] * 32 / row["step_s"])
         assert row["model_tflops_per_s"] > 0
         assert row["mfu"] is None  # CPUs have no known peak
+
+
+def test_gguf_import_bench_reports_phases_and_rates(tmp_path):
+    import gguf_import
+
+    results = gguf_import.main(["--workers", "1", "--dtypes", "bfloat16", "--rounds", "1",
+                                "--no-extrapolation", "--work-dir", str(tmp_path / "work"),
+                                "--out", str(tmp_path / "gguf_import.json")])
+    (row,) = results["best"]
+    assert (row["workers"], row["dtype"], row["weights"]) == (1, "bfloat16", 268_098_176)
+    assert row["bytes"] == 2 * row["weights"]
+    assert row["mb_per_s"] == pytest.approx(row["bytes"] / 1e6 / row["convert_s"])
+    assert sum(row[f"{p.removesuffix('_s')}_share"] for p in ("dequantize_s", "cast_s",
+                                                              "write_s")) == pytest.approx(1)
+    assert row["load_s"] > 0 and len(results["effective_cores"]) == 1
+    assert (tmp_path / "gguf_import.json").is_file()
+    assert not list((tmp_path / "work").glob("cache-*"))

@@ -13,6 +13,8 @@ initial_eval_loss           6.802521
 final_eval_loss             4.100013
 tokens_per_s             5439.201666
 train_seconds              290.555431
+cpu_mfu                      0.480314
+host_matmul_flops_per_s  43615000000.0
 devices                      8 x cpu"""
 
 
@@ -25,6 +27,7 @@ def sanitize(text: str) -> str:
 def test_timings_are_hidden_and_losses_are_kept():
     clean = sanitize(SUMMARY)
     assert "5439" not in clean and "290.55" not in clean
+    assert "0.480314" not in clean and "43615" not in clean  # this host's matmul peak, and MFU
     assert "6.802521" in clean and "4.100013" in clean
     assert sanitize(SUMMARY.replace("4.100013", "4.100014")) != clean
 

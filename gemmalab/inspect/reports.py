@@ -16,8 +16,8 @@ SUMMARY_ROWS = (
     "steps", "initial_train_loss", "final_train_loss", "initial_eval_loss", "final_eval_loss",
     "initial_eval_perplexity", "final_eval_perplexity", "tokens_per_s", "useful_tokens_per_s",
     "useful_token_share", "mean_step_time_s", "data_wait_share", "first_step_seconds",
-    "train_seconds", "model_flops_per_s", "mfu", "num_params", "peak_host_memory_gb", "devices",
-    "mesh",
+    "train_seconds", "model_flops_per_s", "mfu", "cpu_mfu", "host_matmul_flops_per_s",
+    "num_params", "peak_host_memory_gb", "devices", "mesh",
 )
 
 

@@ -10,6 +10,7 @@ The loop reads top to bottom; its collaborators do the rest:
   (``TrainWeights``), restored from a checkpoint or initialised;
 - ``gemmalab.train.checkpoints``: the run's checkpoints and the resume checks;
 - ``gemmalab.train.metrics``: rows, evaluations, startup seconds and FLOP accounting;
+- ``gemmalab.train.host_peak``: on CPUs, the host's measured matmul rate (``cpu_mfu``'s peak);
 - ``gemmalab.train.preemption``: SIGTERM becomes a checkpoint and ``Preempted``.
 """
 
@@ -34,7 +35,7 @@ from gemmalab.data.documents import CHAT
 from gemmalab.data.preparation import PreparedData, TrainingData, prepare_data, training_data
 from gemmalab.errors import TrainingDiverged
 from gemmalab.model import lora, mesh, presets, sampling
-from gemmalab.train import checkpoints, compile_cache, metrics, optimization
+from gemmalab.train import checkpoints, compile_cache, host_peak, metrics, optimization
 from gemmalab.train.params import TrainWeights, restore_or_init, trained_token_ids
 from gemmalab.train.preemption import Preempted, StopRequest
 from gemmalab.weights import orbax_params, sources
@@ -88,6 +89,11 @@ class Experiment:
         if jax.process_index() == 0:
             checkpoints.require_writable_room(config.output_dir, state_bytes)
         startup.phase("checks")
+        # CPUs list no peak: their cpu_mfu is against this host's matmul rate, measured (once per
+        # machine, cached) now, while nothing else runs: before the data's prefetch threads and
+        # far from the first step's clock.
+        host_rate = host_peak.of_run(devices, config.compute_dtype)
+        startup.phase("host_peak")
 
         prepared = prepare_data(config)
         data = training_data(config, prepared)
@@ -120,7 +126,7 @@ class Experiment:
         adapters = weights.trainable_params if weights.frozen is not None else 0
         flops = metrics.FlopAccounting.of_run(config, prepared.model_config,
                                               num_params=weights.num_params, adapters=adapters,
-                                              devices=devices)
+                                              devices=devices, host_peak_flops_per_s=host_rate)
         return cls(config=config, mesh=device_mesh, prepared=prepared, data=data, model=model,
                    base_model=base_model, weights=weights, optimizer=optimizer,
                    schedule=schedule, memory_plan=memory_plan, checkpoints=saved,
@@ -245,7 +251,8 @@ class Experiment:
                               log_every=cfg.log_every, show=progress and self.is_main_process,
                               nonfinite=self._diverged,
                               flops_per_step=self.flops.model_flops_per_step,
-                              peak_flops_per_s=self.flops.peak_flops_per_s)
+                              peak_flops_per_s=self.flops.peak_flops_per_s,
+                              host_peak_flops_per_s=self.flops.host_peak_flops_per_s)
         self.history, self.eval_history = log.history, log.eval_history
         train_step = self.train_step  # compiled now, before the clock of the first step starts
         # Decided by the step, not by file contents: every process must take the same branch

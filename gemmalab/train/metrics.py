@@ -77,13 +77,15 @@ class StepLog:
     gradient norm in a step that was not skipped.
 
     Each step's record carries its wall-clock ``time``, and with ``flops_per_step`` (the model's
-    FLOPs) the achieved ``model_flops_per_s``; with the devices' ``peak_flops_per_s`` its MFU.
+    FLOPs) the achieved ``model_flops_per_s``; with the devices' ``peak_flops_per_s`` its MFU,
+    with a CPU host's measured matmul rate (``host_peak_flops_per_s``) its ``cpu_mfu``.
     """
 
     def __init__(self, sink: MetricsSink, *, total_steps: int, start_step: int,
                  steps_per_epoch: int, tokens_per_step: int, log_every: int, show: bool,
                  nonfinite: Callable[[int, dict[str, float]], Exception],
-                 flops_per_step: float | None = None, peak_flops_per_s: float | None = None):
+                 flops_per_step: float | None = None, peak_flops_per_s: float | None = None,
+                 host_peak_flops_per_s: float | None = None):
         from tqdm.auto import tqdm
 
         self.sink = sink
@@ -92,6 +94,7 @@ class StepLog:
         self._total, self._per_epoch, self._tokens = total_steps, steps_per_epoch, tokens_per_step
         self._log_every, self._nonfinite = log_every, nonfinite
         self._flops, self._peak = flops_per_step, peak_flops_per_s
+        self._host_peak = host_peak_flops_per_s
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                          disable=not show)
         self._pending: tuple | None = None
@@ -121,6 +124,8 @@ class StepLog:
             record["model_flops_per_s"] = self._flops / step_time
             if self._peak:
                 record["mfu"] = record["model_flops_per_s"] / self._peak
+            if self._host_peak:
+                record["cpu_mfu"] = record["model_flops_per_s"] / self._host_peak
         self.history.append(record)
         self.sink.write("metrics", record)
         self._bar.update(1)
@@ -192,24 +197,28 @@ def _seconds_since_process_start() -> float | None:
 @dataclasses.dataclass
 class FlopAccounting:
     """The step's model FLOPs (6 per weight per token plus attention: ``plan.model_flops``),
-    what MFU is measured against; the devices' dense bf16 peak (None where unknown: CPUs); and
-    XLA's own count of the compiled step beside them as a cross-check (it misses loop bodies run
-    more than once, and counts what remat recomputes)."""
+    what MFU is measured against; the devices' dense bf16 peak (None where unknown: CPUs); on
+    CPUs instead the host's measured matmul rate in the compute dtype (``host_peak``), which
+    ``cpu_mfu`` is against; and XLA's own count of the compiled step beside them as a
+    cross-check (it misses loop bodies run more than once, and counts what remat recomputes)."""
 
     model_flops_per_step: float
     peak_flops_per_s: float | None
     compiled_flops_per_step: float | None = None
+    host_peak_flops_per_s: float | None = None
 
     @classmethod
     def of_run(cls, config: Any, model_config: Any, *, num_params: int, adapters: int,
-               devices: Any) -> FlopAccounting:
+               devices: Any, host_peak_flops_per_s: float | None = None) -> FlopAccounting:
         """``num_params``: every weight; ``adapters``: LoRA's share of them (0 without);
-        ``devices``: ``plan.Accelerator`` of the run's devices."""
+        ``devices``: ``plan.Accelerator`` of the run's devices; ``host_peak_flops_per_s``: on
+        CPUs, ``host_peak.of_run``'s measured rate (the whole host's, for every device)."""
         from gemmalab import plan
 
         flops = plan.model_flops(model_config, num_params - adapters, config, adapters=adapters)
         peak = devices.peak_flops * devices.chips if devices.peak_flops else None
-        return cls(model_flops_per_step=flops, peak_flops_per_s=peak)
+        return cls(model_flops_per_step=flops, peak_flops_per_s=peak,
+                   host_peak_flops_per_s=host_peak_flops_per_s)
 
     def record_compiled(self, compiled: Any) -> None:
         """XLA's FLOP count of the compiled step: one device's program, times every device."""
@@ -218,10 +227,14 @@ class FlopAccounting:
         self.compiled_flops_per_step = float((cost or {}).get("flops", 0.0)) * jax.device_count()
 
     def summary(self, steps: int, seconds: float) -> dict[str, float | None]:
-        """Achieved model FLOP/s over ``steps`` steps in ``seconds``, and MFU."""
+        """Achieved model FLOP/s over ``steps`` steps in ``seconds``, MFU and (CPUs) the share
+        of the host's matmul rate, ``cpu_mfu``."""
         achieved = self.model_flops_per_step * steps / seconds
+        host = self.host_peak_flops_per_s
         return {"model_flops_per_step": self.model_flops_per_step,
                 "compiled_flops_per_step": self.compiled_flops_per_step,
                 "model_flops_per_s": achieved,
                 "peak_flops_per_s": self.peak_flops_per_s,
-                "mfu": achieved / self.peak_flops_per_s if self.peak_flops_per_s else None}
+                "mfu": achieved / self.peak_flops_per_s if self.peak_flops_per_s else None,
+                "host_matmul_flops_per_s": host,
+                "cpu_mfu": achieved / host if host else None}

@@ -6,8 +6,9 @@ strings), then the tensors' raw little-endian bytes, back to back in header orde
 splits large models into ``model-0000k-of-0000n.safetensors`` shards listed by
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file).
 
-Writing streams one tensor at a time (a tensor is converted only when its bytes are written);
-reading maps the file, so a tensor is only read when it is used.
+Writing streams one tensor at a time (a tensor is converted only when its bytes are written), or
+lays the file out for its parts to be written in place, in parallel (``create_file``, then
+``write_at``); reading maps the file, so a tensor is only read when it is used.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +38,55 @@ METADATA = {"format": "pt"}
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """A tensor to write: its name, shape and dtype now, its values only when written."""
+    """A tensor to write: its name, shape and dtype now, its values only when written (none for
+    a file whose tensors are written in place: ``create_file``)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    values: Callable[[], np.ndarray]
+    values: Callable[[], np.ndarray] | None = None
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def write_file(path: Path, tensors: list[Tensor], metadata: dict[str, str] | None = None, *,
-               workers: int = 1, on_tensor: Callable[[], None] | None = None) -> None:
-    """Write ``tensors`` into one safetensors file; ``workers`` threads convert and write
-    tensors side by side (each at its own offset), ``on_tensor`` is called after each."""
+def write_file(path: Path, tensors: list[Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` into one safetensors file, one after the other (each converted only when
+    its bytes are written)."""
+    encoded, _ = _encoded_header(tensors, metadata)
+    with open(path, "wb") as f:
+        f.write(encoded)
+        for tensor in tensors:
+            f.write(_checked_bytes(tensor))
+
+
+def create_file(path: Path, tensors: list[Tensor], metadata: dict[str, str] | None = None
+                ) -> list[int]:
+    """Start a safetensors file of ``tensors`` at ``path`` to be filled in place, in any order and
+    from any number of threads (``write_at``): its header written, the file its full size (the
+    data not yet written reads as zeros). Returns where each tensor's bytes start in the file."""
+    encoded, offsets = _encoded_header(tensors, metadata)
+    end = len(encoded) + sum(tensor.nbytes for tensor in tensors)
+    with open(path, "wb") as f:
+        f.write(encoded)
+        f.truncate(end)
+    return [len(encoded) + offset for offset in offsets]
+
+
+def write_at(fd: int, values: np.ndarray, offset: int) -> None:
+    """``values``' bytes (little-endian, C order) written at ``offset`` of the open file ``fd``."""
+    values = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<"))
+    view = memoryview(values.reshape(-1).view(np.uint8))  # bfloat16 has no buffer format
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _encoded_header(tensors: list[Tensor], metadata: dict[str, str] | None
+                    ) -> tuple[bytes, list[int]]:
+    """The file's first bytes (the header's length, the header) and each tensor's offset into
+    the data that follows them."""
     header: dict[str, Any] = {"__metadata__": dict(metadata or METADATA)}
     offsets = []
     offset = 0
@@ -64,32 +97,12 @@ def write_file(path: Path, tensors: list[Tensor], metadata: dict[str, str] | Non
         offset += tensor.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the library writes
-    start = 8 + len(encoded)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        if workers <= 1:
-            for tensor in tensors:
-                f.write(_checked_bytes(tensor))
-                if on_tensor:
-                    on_tensor()
-            return
-        f.truncate(start + offset)
-        f.flush()
-
-        def write(tensor: Tensor, at: int) -> None:
-            os.pwrite(f.fileno(), _checked_bytes(tensor), start + at)
-            if on_tensor:
-                on_tensor()
-
-        # Largest first, so the last tensors to finish are small ones.
-        order = sorted(range(len(tensors)), key=lambda i: -tensors[i].nbytes)
-        with ThreadPoolExecutor(workers) as pool:
-            for future in [pool.submit(write, tensors[i], offsets[i]) for i in order]:
-                future.result()
+    return struct.pack("<Q", len(encoded)) + encoded, offsets
 
 
 def _checked_bytes(tensor: Tensor) -> bytes:
+    if tensor.values is None:
+        raise ValueError(f"{tensor.name}: no values to write")
     values = np.ascontiguousarray(tensor.values(), dtype=tensor.dtype.newbyteorder("<"))
     if values.shape != tensor.shape:
         raise ValueError(f"{tensor.name}: values of shape {values.shape}, declared {tensor.shape}")

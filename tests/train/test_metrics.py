@@ -37,3 +37,23 @@ def test_without_a_peak_there_is_no_mfu(tmp_path):
     assert "model_flops_per_s" in record and "mfu" not in record
     (record,) = one_step(tmp_path)
     assert "model_flops_per_s" not in record
+
+
+def test_a_step_on_a_cpu_with_a_measured_host_peak_reports_its_cpu_mfu(tmp_path):
+    (record,) = one_step(tmp_path, flops_per_step=6e10, host_peak_flops_per_s=3e10)
+    assert record["cpu_mfu"] == pytest.approx(record["model_flops_per_s"] / 3e10, rel=1e-9)
+    assert "mfu" not in record  # MFU means against the accelerator's listed peak
+
+
+def test_the_summary_reports_the_share_of_the_host_peak():
+    accounting = metrics.FlopAccounting(model_flops_per_step=6e10, peak_flops_per_s=None,
+                                        host_peak_flops_per_s=3e10)
+    summary = accounting.summary(steps=4, seconds=10.0)
+    assert summary["model_flops_per_s"] == pytest.approx(2.4e10)
+    assert summary["host_matmul_flops_per_s"] == 3e10
+    assert summary["cpu_mfu"] == pytest.approx(0.8)
+    assert summary["mfu"] is None
+    without = metrics.FlopAccounting(model_flops_per_step=6e10, peak_flops_per_s=1e15)
+    summary = without.summary(steps=4, seconds=10.0)
+    assert summary["cpu_mfu"] is None and summary["host_matmul_flops_per_s"] is None
+    assert summary["mfu"] == pytest.approx(2.4e-5)

@@ -7,6 +7,7 @@ each type's error bound on arbitrary values.
 """
 
 import dataclasses
+import math
 import os
 
 import ml_dtypes
@@ -336,10 +337,11 @@ def test_convert_writes_dequantized_tensors_then_reuses_them(tiny_model, tmp_pat
 
     written = converted.stat().st_mtime_ns
 
-    def no_second_conversion(tensor):
+    def no_second_conversion(tensor, *rows):
         raise AssertionError(f"{tensor.name} dequantized again")
 
     monkeypatch.setattr(gguf, "dequantized", no_second_conversion)
+    monkeypatch.setattr(gguf, "dequantized_rows", no_second_conversion)
     assert gguf.convert(model, cache, "float32", progress=False) == converted
     assert converted.stat().st_mtime_ns == written
     monkeypatch.undo()
@@ -401,6 +403,133 @@ def test_converted_gguf_loads_into_gemmas_layout(tiny_model, tmp_path):
                                **close)
     o = np.einsum("tnh,nhd->td", q, np.asarray(layer["attn"]["attn_vec_einsum"]["w"]))
     np.testing.assert_allclose(o, q.reshape(3, -1) @ hf["self_attn.o_proj"].T, **close)
+
+
+# ---------------------------------------------------------------------------------------------
+# The conversion in blocks of rows, bit for bit against gguf.quants.dequantize of whole tensors.
+
+# Where each block layout (ggml-common.h) keeps its float16 scales (d, and dmin or m): bytes
+# (block size in bytes, offsets). The rest of a block is any bytes: quant indices, packed scales.
+F16_FIELDS = {"Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)),
+              "Q5_1": (24, (0, 2)), "Q8_0": (34, (0,)), "Q2_K": (84, (80, 82)),
+              "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
+              "Q6_K": (210, (208,))}
+ODD_ROWS = 7  # in blocks of 2 rows: (0, 2), (2, 4), (4, 6), (6, 7)
+BLOCK_VALUES = 2 * COLS + 100
+
+
+def random_blocks(rng, quant: str, rows: int = ODD_ROWS, cols: int = COLS) -> np.ndarray:
+    """[rows, row bytes] of random bytes in ``quant``'s blocks, with finite float16 scales (so
+    that every value is a number, compared by its bits)."""
+    from gguf import GGML_QUANT_SIZES
+
+    type_size, offsets = F16_FIELDS[quant]
+    block_size, expected_size = GGML_QUANT_SIZES[Q[quant]]
+    assert type_size == expected_size
+    blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
+    for offset in offsets:
+        blocks[:, offset:offset + 2] = f16_bytes(rng.uniform(-2, 2, len(blocks)) / 8)
+    return blocks.reshape(rows, -1)
+
+
+def bit_for_bit_tensors() -> dict:
+    """llama.cpp name -> (what the GGUF stores, its gguf.quants type): random blocks of every
+    supported type, gguf.quants.quantize's output for each type it quantizes, a norm."""
+    rng = np.random.default_rng(5)
+    floats = rng.normal(size=(ODD_ROWS, COLS)).astype(np.float32)
+    stored = {"F32": floats, "F16": floats.astype(np.float16),
+              "BF16": quantize(floats, Q.BF16),
+              **{quant: random_blocks(rng, quant) for quant in F16_FIELDS}}
+    assert set(stored) == set(gguf.SUPPORTED_TYPES)
+    tensors = {f"blk.{i}.ffn_up.weight": (raw, quant) for i, (quant, raw) in
+               enumerate(stored.items())}
+    for i, quant in enumerate(("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")):
+        tensors[f"blk.{i}.ffn_gate.weight"] = (quantize(rng.normal(size=(ODD_ROWS, COLS))
+                                                        .astype(np.float32), Q[quant]), quant)
+    tensors["blk.0.attn_norm.weight"] = (np.float32(1) + floats[0], "F32")
+    return {"token_embd.weight": (embedding(), "F32"), **tensors}
+
+
+def reference(stored: np.ndarray, quant: str, name: str) -> np.ndarray:
+    """gguf.quants.dequantize of the whole tensor, in float32 (a norm: minus one)."""
+    from gguf.quants import dequantize
+
+    values = np.asarray(dequantize(stored, Q[quant]), np.float32)
+    return values - np.float32(1) if name.endswith("norm.weight") else values
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
+        a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}"))
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_convert_in_row_blocks_is_gguf_quants_bit_for_bit(tmp_path, workers):
+    stored = bit_for_bit_tensors()
+    path = write_gguf(tmp_path / "model.gguf", {
+        name: raw if raw.dtype != np.uint8 else (raw, Q[quant])
+        for name, (raw, quant) in stored.items()})
+    model = gguf.inspect(path)
+    up = only_tensor(model, "blk.0.ffn_up.weight")
+    assert gguf.row_blocks(up, BLOCK_VALUES) == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    assert gguf.row_blocks(only_tensor(model, "blk.0.attn_norm.weight"), BLOCK_VALUES) == [(0, 1)]
+    assert set(model.quant_types) == set(gguf.SUPPORTED_TYPES)
+
+    for dtype in ("float32", "bfloat16"):
+        timings: dict = {}
+        converted = gguf.convert(model, tmp_path / "cache", dtype, workers=workers,
+                                 block_values=BLOCK_VALUES, progress=False, timings=timings)
+        out = safetensors_io.read_file(converted)
+        assert len(out) == len(model.tensors)
+        for tensor in model.tensors:
+            raw, quant = stored[tensor.name]
+            assert tensor.quant_type == quant
+            expected = reference(raw, quant, tensor.name).reshape(tensor.shape)
+            if dtype == "bfloat16":
+                expected = expected.astype(ml_dtypes.bfloat16)
+            assert same_bits(out[tensor.hf_name], expected), (tensor.name, quant, dtype)
+        assert timings["workers"] == workers and timings["values"] == sum(
+            math.prod(t.shape) for t in model.tensors)
+        assert timings["bytes"] == converted.stat().st_size - 8 - len(json_header(converted))
+        assert all(timings[phase] >= 0 for phase in gguf.PHASES)
+
+
+def json_header(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(8 + int.from_bytes(f.read(8), "little"))[8:]
+
+
+def test_a_failed_conversion_leaves_no_file(tmp_path, monkeypatch):
+    model = gguf.inspect(write_gguf(tmp_path / "model.gguf", {
+        "token_embd.weight": embedding(), "output_norm.weight": np.ones(128, np.float32)}))
+    real = gguf.dequantized_rows
+
+    def fails_on_the_embedding(tensor, start, stop):
+        if tensor.name == "token_embd.weight":
+            raise MemoryError("no room")
+        return real(tensor, start, stop)
+
+    monkeypatch.setattr(gguf, "dequantized_rows", fails_on_the_embedding)
+    with pytest.raises(MemoryError):
+        gguf.convert(model, tmp_path / "cache", workers=2, progress=False)
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()
+                and p.name != "sha256.json"]
+
+
+def test_the_embedded_files_tensors_convert_bit_for_bit(cache_dir, tmp_path):
+    # Every quant type of the real file (F32, Q5_0, Q4_K, Q8_0, Q6_K), its 262144 x 640 Q8_0
+    # token embedding in uneven blocks of 300 rows, three workers.
+    from gemmalab.weights import embedded
+
+    model = gguf.inspect(embedded.gguf_path("embedded:gemma3-270m", cache_dir))
+    assert set(model.quant_types) == {"F32", "Q5_0", "Q4_K", "Q8_0", "Q6_K"}
+    block_values = 300 * 640 + 1
+    embedding_rows = gguf.row_blocks(only_tensor(model, "token_embd.weight"), block_values)
+    assert len(embedding_rows) == 874 and embedding_rows[-1] == (261900, 262144)
+    out = safetensors_io.read_file(gguf.convert(model, tmp_path / "cache", "float32", workers=3,
+                                                block_values=block_values, progress=False))
+    for tensor in model.tensors:
+        assert same_bits(out[tensor.hf_name], gguf.dequantized(tensor)), tensor.name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,9 +620,13 @@ def test_a_big_endian_file_dequantizes_as_written(tmp_path):
               .reshape(512, 128)}
     model = gguf.inspect(write_gguf(tmp_path / "model.gguf", values, endianess=GGUFEndian.BIG))
     for name, expected in values.items():
-        out = gguf.dequantized(only_tensor(model, name))
+        tensor = only_tensor(model, name)
+        out = gguf.dequantized(tensor)
         np.testing.assert_array_equal(out, expected - 1 if name.endswith("norm.weight")
                                       else expected.astype(np.float32), err_msg=name)
+        rows = gguf.row_count(tensor)
+        np.testing.assert_array_equal(gguf.dequantized_rows(tensor, 1, rows),
+                                      out.reshape(rows, -1)[1:], err_msg=name)
 
 
 def test_read_header_parses_a_file_once_until_it_changes(tmp_path):
