@@ -30,6 +30,7 @@ SIZE = 2048
 REPEATS = 5  # timed multiplications at most, after the warm-up,
 BUDGET_S = 2.0  # and no more once this much time went into them (at least two are timed)
 DIRECTORY = "host_peak"
+BUSY_LOAD_PER_CPU = 0.5  # above this load a measurement is used once, not cached
 
 
 def of_run(devices: Any, dtype: Any, cache_dir: str | os.PathLike | None = None
@@ -55,7 +56,7 @@ def of_run(devices: Any, dtype: Any, cache_dir: str | os.PathLike | None = None
 def matmul_flops_per_s(dtype: Any, cache_dir: str | os.PathLike, *, size: int = SIZE) -> float:
     """This host's ``size`` x ``size`` matmul rate in ``dtype`` (FLOP/s): read from
     ``cache_dir/host_peak/`` when measured before under the same ``host_key``, else measured and
-    written there."""
+    written there (only on a quiet host: ``BUSY_LOAD_PER_CPU``)."""
     key = host_key(dtype, size)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / DIRECTORY / f"{key['dtype']}-{size}-{digest}.json"
@@ -63,13 +64,28 @@ def matmul_flops_per_s(dtype: Any, cache_dir: str | os.PathLike, *, size: int = 
     if cached is not None:
         return cached
     started = time.perf_counter()
+    load = host_load()
     rate = measure(dtype, size)
     record = {"flops_per_s": rate, "key": key, "measuring_s": time.perf_counter() - started,
+              "load_per_cpu": load,
               "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
-    # An unwritable cache costs the next run a measurement, not this run its figure.
-    with contextlib.suppress(OSError):
-        storage.write_bytes(path, json.dumps(record, indent=1).encode())
+    # A figure taken while other work held the cores is low, and every later run's cpu_mfu would
+    # be too high: this run uses it, but it is kept only when measured on a quiet host. An
+    # unwritable cache costs the next run a measurement, not this run its figure.
+    if load <= BUSY_LOAD_PER_CPU:
+        with contextlib.suppress(OSError):
+            storage.write_bytes(path, json.dumps(record, indent=1).encode())
     return rate
+
+
+def host_load() -> float:
+    """The 1-minute load average per usable CPU (0 where the OS does not report it)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 0.0
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return load / max(usable or 1, 1)
 
 
 def measure(dtype: Any, size: int = SIZE, *, repeats: int = REPEATS,

@@ -9,6 +9,7 @@ from gemmalab.plan import Accelerator
 from gemmalab.train import host_peak
 
 SIZE = 64  # tiny: the figure's plumbing, not its value
+REAL_HOST_LOAD = host_peak.host_load
 
 
 def never_measured(*args, **kwargs):
@@ -20,6 +21,29 @@ def counting(calls: list):
         calls.append((str(dtype), size))
         return 1e9
     return fake
+
+
+@pytest.fixture(autouse=True)
+def quiet_host(monkeypatch):
+    """The caching tests must not depend on what else loads this machine's cores."""
+    monkeypatch.setattr(host_peak, "host_load", lambda: 0.0)
+
+
+def test_a_figure_measured_on_a_busy_host_is_used_but_not_kept(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(host_peak, "measure", counting(calls))
+    monkeypatch.setattr(host_peak, "host_load", lambda: 1.5)
+    assert host_peak.matmul_flops_per_s("bfloat16", tmp_path, size=SIZE) == 1e9
+    assert not (tmp_path / "host_peak").exists()
+    monkeypatch.setattr(host_peak, "host_load", lambda: 0.1)  # quiet again: measured and kept
+    host_peak.matmul_flops_per_s("bfloat16", tmp_path, size=SIZE)
+    host_peak.matmul_flops_per_s("bfloat16", tmp_path, size=SIZE)
+    assert len(calls) == 2 and len(list((tmp_path / "host_peak").iterdir())) == 1
+
+
+def test_the_host_load_is_a_load_average_per_cpu():
+    load = REAL_HOST_LOAD()
+    assert isinstance(load, float) and 0 <= load < 1000
 
 
 def test_a_measured_rate_is_positive_and_read_back_from_the_cache(tmp_path, monkeypatch):
