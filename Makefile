@@ -112,12 +112,12 @@ PAPERMILL := $(NBVAL_ENV) $(VENV)/bin/papermill --cwd $(NBVAL_DIR) --no-progress
 
 PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider --nbval-sanitize-with $(NBVAL_DIR)/sanitize.cfg
 
-# Test files run in parallel worker processes (pytest-xdist), one file to a worker, the longest
+# Test files run in parallel worker processes (pytest-xdist), a file to a worker, the longest
 # first (tests/conftest.py). Much of a test's time is single-threaded (imports, tracing, XLA's
 # compiler, kernels starting), so two workers gain on two cores; at most four keeps the memory
 # of the real-model tests (~6 GB each) within a 24 GB machine. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(4, max(2, len(os.sched_getaffinity(0)))))' 2>/dev/null || echo 2)
-PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --no-loadscope-reorder)
 
 test: $(STAMP) $(LIBTPU)/.installed
 	$(NBVAL_ENV) $(PYTEST) $(PARALLEL) tests

