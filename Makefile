@@ -21,7 +21,7 @@ help:
 	@echo "make demo   - set up, then fine-tune the embedded pretrained Gemma 3 270M offline (train.ipynb)"
 	@echo "make demo-tiny - the same notebook on the 1.7M-parameter tiny preset, from random init (~3 min)"
 	@echo "make test   - set up, then run the test suite"
-	@echo "make test-fast     - the tests without notebooks and multi-process runs (~2 min)"
+	@echo "make test-fast     - the tests without notebooks and multi-process runs"
 	@echo "make test-numerics - the notebook regression tests under SSE4.2/1 core and AVX2 numerics"
 	@echo "make libtpu - the TPU compiler for exact memory plans (notebooks/plan.ipynb exact=True)"
 	@echo "make interop - export the tiny preset, load it with transformers and peft, compare logits"
@@ -122,7 +122,7 @@ PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --no-loadscope-r
 test: $(STAMP) $(LIBTPU)/.installed
 	$(NBVAL_ENV) $(PYTEST) $(PARALLEL) tests
 
-# The inner loop: everything but the notebooks, multi-process and server runs (~2 min).
+# The inner loop: everything but the notebooks, multi-process and server runs.
 test-fast: $(STAMP)
 	$(NBVAL_ENV) $(PYTEST) $(PARALLEL) -m "not slow" tests
 
