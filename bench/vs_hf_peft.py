@@ -13,8 +13,9 @@ and LoRA config, each loop in its own process, rounds alternating.
   around each, cut into windows of ``maxlen`` tokens.
 - gemmalab: its defaults (packed rows, the chunked loss, bfloat16 compute, float32 master
   weights); ``Experiment`` as the notebook runs it.
-- transformers + PEFT: its usual setup, bfloat16 weights, SDPA attention, AdamW, as many torch
-  threads as cores; each batch of windows padded to its longest (what
+- transformers + PEFT: its usual setup, bfloat16 weights (``--peft-dtype float32`` on CPUs
+  without bf16 units, where torch's bf16 matmuls are far slower), SDPA attention, AdamW, as
+  many torch threads as cores; each batch of windows padded to its longest (what
   ``DataCollatorForLanguageModeling`` does), padding not in the loss.
 - LoRA: rank 8, alpha 16, on all seven projections (q, k, v, o, gate, up, down); ``full``
   trains every weight.
@@ -122,14 +123,14 @@ def run_gemmalab(out: Path, cache_dir: Path, mode: str, batch: int, maxlen: int,
             "peak_rss_gb": summary["peak_host_memory_gb"]}
 
 
-def run_peft(out: Path, mode: str, batch: int, maxlen: int, steps: int) -> dict:
+def run_peft(out: Path, mode: str, batch: int, maxlen: int, steps: int, dtype: str) -> dict:
     import torch
     import transformers
 
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM.from_pretrained(
-        out / "hf", dtype=torch.bfloat16, attn_implementation="sdpa")
+        out / "hf", dtype=getattr(torch, dtype), attn_implementation="sdpa")
     if mode == "lora":
         import peft
 
@@ -162,6 +163,7 @@ def run_peft(out: Path, mode: str, batch: int, maxlen: int, steps: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - begin
+        print(f"peft step {step}: {elapsed:.1f} s", file=sys.stderr, flush=True)
         if step:  # the first step warms up
             times.append(elapsed)
             tokens += batch * longest
@@ -177,7 +179,7 @@ def child(args: argparse.Namespace, side: str, mode: str, maxlen: int) -> dict:
     command = [sys.executable, __file__, "--one", side, "--modes", mode, "--maxlens", str(maxlen),
                "--out", str(args.out), "--cache-dir", str(args.cache_dir), "--steps",
                str(args.steps), "--batch-size", str(args.batch_size), "--site-packages",
-               str(args.site_packages)]
+               str(args.site_packages), "--peft-dtype", args.peft_dtype]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -197,6 +199,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--peft-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="torch's weights and compute (float32 on CPUs without bf16 units)")
     args = parser.parse_args()
     args.out = args.out.resolve()
     if args.cache_dir is None:
@@ -210,11 +214,15 @@ def main() -> None:
             result = run_gemmalab(args.out, args.cache_dir, mode, args.batch_size, maxlen,
                                   args.steps)
         else:
-            result = run_peft(args.out, mode, args.batch_size, maxlen, args.steps)
+            result = run_peft(args.out, mode, args.batch_size, maxlen, args.steps,
+                              args.peft_dtype)
         print("RESULT " + json.dumps(result))
         return
 
-    print("prepare:", json.dumps(prepare(args.out, args.cache_dir)), flush=True)
+    if (args.out / "documents.json").exists() and (args.out / "hf").exists():
+        print("prepared before:", args.out, flush=True)  # the same corpus and export
+    else:
+        print("prepare:", json.dumps(prepare(args.out, args.cache_dir)), flush=True)
     results = []
     for mode in args.modes:
         for maxlen in args.maxlens:
@@ -227,7 +235,8 @@ def main() -> None:
                     for key, value in values.items()}, "useful_ratio": ratio})
                 print(json.dumps(results[-1]), flush=True)
     (args.out / "vs_hf_peft.json").write_text(json.dumps(results, indent=1))
-    print(f"\nbatch {args.batch_size}, {args.steps} timed steps a run, {os.cpu_count()} cores")
+    print(f"\nbatch {args.batch_size}, {args.steps} timed steps a run, {os.cpu_count()} cores, "
+          f"torch in {args.peft_dtype}")
     print("| training | maxlen | round | loop | s / step | tokens/s | useful tokens/s | "
           "useful share | peak RSS GB | useful ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")
