@@ -85,7 +85,10 @@ class Accelerator:
 
     @property
     def platform(self) -> str:
-        return CHIPS[self.kind].platform if self.kind in CHIPS else "cpu"
+        if self.kind in CHIPS:
+            return CHIPS[self.kind].platform
+        # Chips without a row in CHIPS keep jax's platform as their kind (an A100 is "gpu").
+        return self.kind if self.kind in ("gpu", "tpu") else "cpu"
 
     @property
     def name(self) -> str:

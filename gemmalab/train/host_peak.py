@@ -46,7 +46,7 @@ def of_run(devices: Any, dtype: Any, cache_dir: str | os.PathLike | None = None
     """
     import jax
 
-    if devices.kind != "cpu" or jax.process_count() > 1:
+    if devices.platform != "cpu" or jax.process_count() > 1:
         return None
     from gemmalab.config import default_cache_dir
 

@@ -97,6 +97,10 @@ def test_only_single_process_cpu_runs_measure(tmp_path, monkeypatch):
     monkeypatch.setattr(host_peak, "measure", counting(calls))
     h200 = Accelerator("h200", 8, 141 << 30, 989e12)
     assert host_peak.of_run(h200, "bfloat16", tmp_path) is None
+    # A GPU without a row in plan.CHIPS (an A100: kind "gpu", as attached_accelerator names it).
+    other_gpu = Accelerator("gpu", 1, 40 << 30, None)
+    assert other_gpu.platform == "gpu"
+    assert host_peak.of_run(other_gpu, "bfloat16", tmp_path) is None
     assert calls == []
     # Eight (simulated) CPU devices share the host's cores: the host's rate, not 8 times it.
     cpus = Accelerator("cpu", 8, 1 << 30, None)
