@@ -10,8 +10,9 @@ accelerator (``"v6e:2x4"``, ``"v5p:2x2x2"``, ``"h200:8"``) give a ``MemoryPlan``
   chunk. It needs no accelerator and is what ``train.ipynb`` checks before loading weights.
 - ``compile_plan``, exact (TPU targets): the real train step, lowered with abstract inputs and
   compiled by libtpu for the topology, on a CPU-only machine; XLA's own memory analysis and
-  FLOP count. It runs in a subprocess (``python -m gemmalab.plan``) with libtpu from
-  ``.libtpu/`` (``make libtpu``), so the calling process never loads the TPU runtime.
+  FLOP count. It runs in a subprocess (``python -m gemmalab.train.aot``) with libtpu from
+  ``.libtpu/`` (``make libtpu``), so the calling process never loads the TPU runtime;
+  ``compile_plans`` compiles several in one such subprocess.
 
 Either plan also carries the step's HBM traffic per device (an analytic lower bound, or XLA's
 ``bytes accessed``) and so a roofline (``MemoryPlan.roofline``): the step can take no less than
@@ -31,6 +32,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -822,34 +824,57 @@ def compile_plan(config: TrainConfig, accelerator: Accelerator | str, *,
     The roofline then takes XLA's FLOPs and bytes accessed of the compiled step (which count a
     loop's body once: the loss's chunks and gradient accumulation's micro-batches are loops).
     """
-    if isinstance(accelerator, str):
-        accelerator = parse_accelerator(accelerator)
-    # Validates mesh, batch and price first, instantly.
-    analytic = estimate(config, accelerator, price_per_chip_hour=price_per_chip_hour)
-    if accelerator.platform != "tpu":
-        raise ConfigError("exact", f"the exact plan compiles for TPUs, not {accelerator.kind}",
-                          "use exact=False (the analytic estimate) for GPUs")
+    return compile_plans([(config, accelerator)], timeout_s=timeout_s,
+                         price_per_chip_hour=price_per_chip_hour)[0]
+
+
+def compile_plans(targets: Sequence[tuple[TrainConfig, Accelerator | str]], *,
+                  timeout_s: float = 3600, price_per_chip_hour: float | None = None
+                  ) -> list[MemoryPlan]:
+    """``compile_plan`` of each ``(config, accelerator)``, in one subprocess: libtpu's start-up
+    (~25 s here) and the imports are paid once, not once a plan. Identical targets compile once.
+    ``timeout_s`` bounds the whole subprocess."""
+    targets = [(config, parse_accelerator(accelerator) if isinstance(accelerator, str)
+                else accelerator) for config, accelerator in targets]
+    # Validates every mesh, batch and the price first, instantly.
+    analytics = [estimate(config, accelerator, price_per_chip_hour=price_per_chip_hour)
+                 for config, accelerator in targets]
+    for _, accelerator in targets:
+        if accelerator.platform != "tpu":
+            raise ConfigError("exact", f"the exact plan compiles for TPUs, not {accelerator.kind}",
+                              "use exact=False (the analytic estimate) for GPUs")
     library = find_libtpu()
     if library is None:
         raise ConfigError("exact", "libtpu (the TPU compiler) is not installed",
                           "run `make libtpu`, or set GEMMALAB_LIBTPU to a libtpu.so")
+    # The whole config: a field the compiled step depends on cannot be left out.
+    requests = [{"config": config.to_dict(), "accelerator": accelerator.name}
+                for config, accelerator in targets]
+    distinct = list(dict.fromkeys(json.dumps(request, sort_keys=True) for request in requests))
     # Compile-only: no chip is opened, so several planners may run at once (libtpu otherwise
     # takes a machine-wide lock meant for processes that drive real chips).
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_LIBRARY_PATH": library,
            "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": "", "TPU_SKIP_MDS_QUERY": "1",
            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    # The whole config: a field the compiled step depends on cannot be left out.
-    request = json.dumps({"config": config.to_dict(), "accelerator": accelerator.name})
-    result = subprocess.run([sys.executable, "-m", AOT_COMPILER, request],
+    argument = json.dumps({"requests": [json.loads(request) for request in distinct]})
+    result = subprocess.run([sys.executable, "-m", AOT_COMPILER, argument],
                             env=env, capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"compiling for {accelerator.name} failed:\n{tail}")
-    compiled = json.loads(result.stdout.strip().splitlines()[-1])
-    return dataclasses.replace(analytic, method="compiled", breakdown=compiled["breakdown"],
-                               flops_per_step=compiled["flops"],
-                               traffic={"xla_bytes_accessed": int(compiled["bytes_accessed"])},
-                               compile_seconds=compiled["seconds"], analytic=analytic)
+        names = ", ".join(dict.fromkeys(accelerator.name for _, accelerator in targets))
+        raise RuntimeError(f"compiling for {names} failed:\n{tail}")
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    compiled = dict(zip(distinct, (json.loads(line) for line in lines[-len(distinct):]),
+                        strict=True))
+    plans = []
+    for request, analytic in zip(requests, analytics, strict=True):
+        step = compiled[json.dumps(request, sort_keys=True)]
+        plans.append(dataclasses.replace(
+            analytic, method="compiled", breakdown=step["breakdown"],
+            flops_per_step=step["flops"],
+            traffic={"xla_bytes_accessed": int(step["bytes_accessed"])},
+            compile_seconds=step["seconds"], analytic=analytic))
+    return plans
 
 
 def main(argv: list[str] | None = None) -> None:

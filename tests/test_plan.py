@@ -297,42 +297,63 @@ needs_libtpu = pytest.mark.skipif(plan.find_libtpu() is None,
                                   reason="libtpu is not installed (`make libtpu`; x86-64 Linux)")
 
 
+# Every exact plan of this module, compiled in one libtpu subprocess (its start-up and imports
+# paid once). The replicated 2x2 plan serves the sharding and the roofline tests alike.
+COMPILED_TARGETS = {
+    "replicated": (_tiny(batch_size=16, maxlen=128, compute_dtype="bfloat16", max_steps=100),
+                   "v6e:2x2"),
+    "fsdp": (_tiny(batch_size=16, maxlen=128, compute_dtype="bfloat16", max_steps=100,
+                   mesh={"fsdp": -1}), "v6e:2x2"),
+    # Gemma's 262k vocabulary: 8 x 256 rows make the loss run in 2 chunks on one chip.
+    "vocab_one_chip": (TrainConfig(model="gemma3-tiny", tokenizer="gemma3", batch_size=8,
+                                   maxlen=256, compute_dtype="bfloat16"), "v6e:1x1"),
+    "vocab_four_chips": (TrainConfig(model="gemma3-tiny", tokenizer="gemma3", batch_size=8,
+                                     maxlen=256, compute_dtype="bfloat16"), "v6e:2x2"),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    # The replicated target twice: identical targets compile once.
+    names = [*COMPILED_TARGETS, "replicated"]
+    plans = plan.compile_plans([COMPILED_TARGETS[name] for name in names],
+                               price_per_chip_hour=1.0)
+    assert plans[-1] == plans[0]
+    return dict(zip(names, plans, strict=True))
+
+
 @needs_libtpu
 @pytest.mark.slow
-def test_the_compiled_plan_sees_the_sharding_and_agrees_on_flops():
-    config = _tiny(batch_size=16, maxlen=128, compute_dtype="bfloat16")
-    replicated = plan.compile_plan(config, "v6e:2x2")
-    split = plan.compile_plan(dataclasses.replace(config, mesh={"fsdp": -1}), "v6e:2x2")
-    for compiled in (replicated, split):
-        assert compiled.method == "compiled" and compiled.fits
-        assert set(compiled.breakdown) == {"arguments", "outputs_not_aliased", "temporaries",
-                                           "code"}
-        analytic = compiled.analytic.breakdown
+def test_the_compiled_plan_sees_the_sharding_and_agrees_on_flops(compiled):
+    replicated, split = compiled["replicated"], compiled["fsdp"]
+    for plan_ in (replicated, split):
+        assert plan_.method == "compiled" and plan_.fits
+        assert set(plan_.breakdown) == {"arguments", "outputs_not_aliased", "temporaries",
+                                        "code"}
+        analytic = plan_.analytic.breakdown
         # Arguments are the state and the batch: at least the exact shard bytes (TPU layouts
         # pad small dimensions), within the padding of the tiny preset's 32-wide heads.
         state = analytic["params"] + analytic["optimizer"] + analytic["batch"]
-        assert state <= compiled.breakdown["arguments"] < 4 * state
-        assert compiled.flops_per_step == pytest.approx(compiled.analytic.flops_per_step,
-                                                        rel=0.25)
+        assert state <= plan_.breakdown["arguments"] < 4 * state
+        assert plan_.flops_per_step == pytest.approx(plan_.analytic.flops_per_step, rel=0.25)
     assert split.breakdown["arguments"] < 0.5 * replicated.breakdown["arguments"]
 
 
 @needs_libtpu
 @pytest.mark.slow
-def test_the_compiled_plan_carries_xla_bytes_accessed_into_its_roofline():
-    config = _tiny(batch_size=16, maxlen=128, compute_dtype="bfloat16", max_steps=100)
-    compiled = plan.compile_plan(config, "v6e:2x2", price_per_chip_hour=1.0)
-    assert set(compiled.traffic) == {"xla_bytes_accessed"} and compiled.bytes_per_device > 0
-    roof = compiled.roofline
+def test_the_compiled_plan_carries_xla_bytes_accessed_into_its_roofline(compiled):
+    plan_ = compiled["replicated"]
+    assert set(plan_.traffic) == {"xla_bytes_accessed"} and plan_.bytes_per_device > 0
+    roof = plan_.roofline
     assert roof.bytes_source == "XLA cost analysis (bytes accessed)"
-    assert roof.memory_seconds == pytest.approx(compiled.bytes_per_device / 1640e9, rel=1e-12)
-    assert roof.compute_seconds == pytest.approx(compiled.flops_per_step / 4 / 918e12, rel=1e-12)
+    assert roof.memory_seconds == pytest.approx(plan_.bytes_per_device / 1640e9, rel=1e-12)
+    assert roof.compute_seconds == pytest.approx(plan_.flops_per_step / 4 / 918e12, rel=1e-12)
     assert roof.run_steps == 100 and roof.cost == roof.run_seconds / 3600 * 4 * 1.0
-    document = json.loads(json.dumps(compiled.to_dict()))
+    document = json.loads(json.dumps(plan_.to_dict()))
     assert document["roofline"]["bytes_source"].startswith("XLA")
     assert document["analytic"]["roofline"]["bytes_source"] == "analytic lower bound"
     # The analytic count is a lower bound: XLA's counts every operation's operands and results.
-    assert compiled.analytic.bytes_per_device <= compiled.bytes_per_device
+    assert plan_.analytic.bytes_per_device <= plan_.bytes_per_device
 
 
 def test_the_exact_plan_needs_a_tpu_target_and_libtpu(monkeypatch):
@@ -350,13 +371,11 @@ def test_the_planned_batch_counts_every_batch_field():
 
 @needs_libtpu
 @pytest.mark.slow
-def test_on_tpu_each_chip_computes_only_its_rows_share_of_the_loss():
+def test_on_tpu_each_chip_computes_only_its_rows_share_of_the_loss(compiled):
     """Gemma's 262k vocabulary makes the loss run in chunks. Compiled by libtpu for four v6e
     chips (data=4), a chip's temporaries are a fraction of one chip doing the whole batch:
     the chunks keep the rows where the batch sharding put them (when chunks were runs of the
-    flattened tokens, XLA gathered each to every chip: 1,887 vs 1,895 MiB here)."""
-    config = TrainConfig(model="gemma3-tiny", tokenizer="gemma3", batch_size=16, maxlen=256,
-                         compute_dtype="bfloat16")
-    one_chip = plan.compile_plan(config, "v6e:1x1").breakdown["temporaries"]
-    four_chips = plan.compile_plan(config, "v6e:2x2").breakdown["temporaries"]
-    assert four_chips < 0.5 * one_chip  # 462 vs 1,897 MiB when written
+    flattened tokens, XLA gathered each to every chip: 1,887 vs 1,895 MiB here, 16 rows)."""
+    one_chip = compiled["vocab_one_chip"].breakdown["temporaries"]
+    four_chips = compiled["vocab_four_chips"].breakdown["temporaries"]
+    assert four_chips < 0.5 * one_chip  # 428 vs 1,792 MiB when written

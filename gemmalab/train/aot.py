@@ -2,7 +2,9 @@
 memory plan and its roofline (``gemmalab.plan.compile_plan`` runs this module in a subprocess that
 loads libtpu).
 
-    python -m gemmalab.train.aot '{"config": {...}, "accelerator": "v6e:2x4"}'
+    python -m gemmalab.train.aot '{"requests": [{"config": {...}, "accelerator": "v6e:2x4"}, ...]}'
+
+One JSON line per request on stdout, in order, each as soon as it is compiled.
 """
 
 from __future__ import annotations
@@ -84,9 +86,11 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> None:
-    request = json.loads((sys.argv[1:] if argv is None else argv)[0])
-    config = TrainConfig(**request["config"])
-    print(json.dumps(compile_step(config, parse_accelerator(request["accelerator"]))))
+    document = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    for request in document["requests"]:
+        config = TrainConfig(**request["config"])
+        result = compile_step(config, parse_accelerator(request["accelerator"]))
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

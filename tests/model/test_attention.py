@@ -316,14 +316,14 @@ needs_libtpu = pytest.mark.skipif(plan.find_libtpu() is None,
 def test_splash_compiles_for_tpu_and_needs_less_temporary_memory():
     """The train step with splash, lowered and compiled by libtpu for v6e chips: the Mosaic
     kernel compiles, alone and under shard_map, and the step's temporaries shrink (no
-    [B, N, L, L] scores kept: 503 vs 742 MB here)."""
-    config = TrainConfig(model="gemma3-tiny", tokenizer_vocab_size=600, batch_size=8,
+    [B, N, L, L] scores kept: 36 vs 133 MB here). One libtpu subprocess for the three."""
+    config = TrainConfig(model="gemma3-tiny", tokenizer_vocab_size=600, batch_size=2,
                          maxlen=1024, compute_dtype="bfloat16")
-    temporaries = {name: plan.compile_plan(dataclasses.replace(config, attention=name),
-                                           "v6e:1x1").breakdown["temporaries"]
-                   for name in ("gemma", "splash")}
-    assert temporaries["splash"] < 0.8 * temporaries["gemma"]
     # Four chips, rows over data and heads over tensor (shard_map), blocks rematerialised.
-    split = dataclasses.replace(config, attention="splash", maxlen=256,
+    split = dataclasses.replace(config, attention="splash", batch_size=8, maxlen=256,
                                 mesh={"data": 2, "tensor": 2}, remat="full")
-    assert plan.compile_plan(split, "v6e:2x2").method == "compiled"
+    gemma, splash, shard_mapped = plan.compile_plans(
+        [(dataclasses.replace(config, attention="gemma"), "v6e:1x1"),
+         (dataclasses.replace(config, attention="splash"), "v6e:1x1"), (split, "v6e:2x2")])
+    assert splash.breakdown["temporaries"] < 0.5 * gemma.breakdown["temporaries"]
+    assert shard_mapped.method == "compiled"
