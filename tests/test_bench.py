@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 
+@pytest.mark.slow
 def test_accelerator_bench_reports_flops_and_mfu():
     import accelerator
 
@@ -22,6 +23,7 @@ def test_accelerator_bench_reports_flops_and_mfu():
         assert row["mfu"] is None  # CPUs have no known peak
 
 
+@pytest.mark.slow
 def test_gguf_import_bench_reports_phases_and_rates(tmp_path):
     import gguf_import
 

@@ -51,6 +51,7 @@ def _tiny(**overrides):
 
 
 @pytest.mark.parametrize("shape", [{"data": 8}, {"fsdp": 8}, {"data": 2, "fsdp": 2, "tensor": 2}])
+@pytest.mark.slow
 def test_weights_and_optimizer_bytes_are_those_of_the_real_shards(shape):
     """The plan cuts the real parameter shapes with the real rules: its per-device params and
     optimizer bytes are what init_state places on each of 8 CPU devices."""
@@ -70,6 +71,7 @@ def test_weights_and_optimizer_bytes_are_those_of_the_real_shards(shape):
 
 
 @pytest.mark.parametrize("shape", [{"data": 8}, {"fsdp": 8}])
+@pytest.mark.slow
 def test_a_lora_plan_holds_the_frozen_base_once_and_trains_only_adapters(shape):
     """LoRA: the base weights in the compute dtype, cut by the rules, plus replicated adapters
     and their moments: the bytes a LoRA run's state and frozen base take on each device."""

@@ -281,6 +281,7 @@ def test_unknown_embedded_data_set_is_refused():
         TrainConfig(data_path="embedded:x")
 
 
+@pytest.mark.slow
 def test_training_on_the_embedded_instruction_set(tmp_path, cache_dir):
     from gemmalab.train.experiment import Experiment
 

@@ -464,6 +464,7 @@ def test_a_cached_split_pickles_as_its_file_names(tmp_path):
     np.testing.assert_array_equal(again.start, WindowSource(split, 16).start)
 
 
+@pytest.mark.slow
 def test_grain_worker_processes_hand_over_the_same_batches_through_shared_memory():
     """Under ``mp_prefetch`` the workers build batches in shared memory (their arrays cross as
     names, not bytes): the stream is the one a single process makes, and so is its position."""

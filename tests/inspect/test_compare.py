@@ -19,12 +19,14 @@ def run(tmp_path_factory, cache_dir, stories_file):
     return compare.load_run(str(output_dir)), summary
 
 
+@pytest.mark.slow
 def test_load_run_rebuilds_the_run(run):
     loaded, summary = run
     assert loaded.config.seed == 4 and loaded.summary["steps"] == summary["steps"] == 8
     assert loaded.model.config.num_embed == 600
 
 
+@pytest.mark.slow
 def test_perplexity_before_and_after(run):
     loaded, summary = run
     contenders = [compare.base_params(loaded), compare.finetuned_params(loaded)]
@@ -38,7 +40,8 @@ def test_perplexity_before_and_after(run):
     compare.perplexity_figure(table)
 
 
-@pytest.mark.parametrize("chat", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("chat", [False, True])
 def test_samples_side_by_side(run, chat):
     loaded, _ = run
     contenders = [compare.base_params(loaded), compare.finetuned_params(loaded)]

@@ -145,6 +145,7 @@ def test_segment_starts_carry_the_segments():
 # --- numerics against gemma's attention ------------------------------------------------------
 
 @pytest.mark.parametrize("name", FUSED)
+@pytest.mark.slow
 def test_float32_loss_hidden_states_and_gradients_match_gemma(tiny, gemma_runs, name):
     config, params = tiny
     batch = packed_batch()
@@ -157,6 +158,7 @@ def test_float32_loss_hidden_states_and_gradients_match_gemma(tiny, gemma_runs, 
 
 
 @pytest.mark.parametrize("name", FUSED)
+@pytest.mark.slow
 def test_bfloat16_error_is_no_worse_than_gemmas_own(tiny, gemma_runs, name):
     config, params = tiny
     batch = packed_batch(seed=1)
@@ -173,6 +175,7 @@ def test_bfloat16_error_is_no_worse_than_gemmas_own(tiny, gemma_runs, name):
 
 
 @pytest.mark.parametrize("name", FUSED)
+@pytest.mark.slow
 def test_lora_adapters_train_through_the_fused_kernel(tiny, name):
     """LoRA wraps Attention's einsums: the fused path calls those same submodules, so the
     adapters on q/kv/output get the gradients they get under gemma's attention."""
@@ -197,6 +200,7 @@ def test_lora_adapters_train_through_the_fused_kernel(tiny, name):
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 def test_remat_recomputes_the_fused_kernel(tiny, gemma_runs):
     config, params = tiny
     batch = packed_batch()
@@ -206,6 +210,7 @@ def test_remat_recomputes_the_fused_kernel(tiny, gemma_runs):
     assert worst_grad_error(grads, want_grads) < 1e-5
 
 
+@pytest.mark.slow
 def test_splash_runs_each_devices_rows_and_heads_under_shard_map(tiny, gemma_runs):
     """8 CPU devices as data 4 x tensor 2: each runs its row and its half of the heads."""
     config, params = tiny
@@ -221,6 +226,7 @@ def test_splash_runs_each_devices_rows_and_heads_under_shard_map(tiny, gemma_run
 
 # --- tracing: the implementation is part of the model's static key ---------------------------
 
+@pytest.mark.slow
 def test_switching_implementation_in_one_process_retraces(tiny, monkeypatch):
     """gemma jit-compiles Transformer.__call__ with the module static: equal-looking models
     would share a trace. Each implementation here must run its own kernel, eagerly called with
@@ -245,6 +251,7 @@ def test_switching_implementation_in_one_process_retraces(tiny, monkeypatch):
         assert scaled_error(outputs[name], outputs["gemma"], real) < 1e-5
 
 
+@pytest.mark.slow
 def test_dense_masks_and_kv_caches_stay_on_gemmas_code(tiny, monkeypatch):
     """The sampler's paths (a KV cache; the scorer's dense causal mask; model.init) are not
     intercepted, and give gemma's own results."""
@@ -281,6 +288,7 @@ def test_the_memory_plan_counts_no_scores_for_splash():
 
 # --- a whole run -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_run_trains_evaluates_and_samples_with_a_fused_kernel(tmp_path, cache_dir,
                                                                 stories_file):
     """TrainConfig.attention reaches the run's model: the same eval losses as gemma's attention

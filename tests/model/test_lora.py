@@ -41,6 +41,7 @@ def _noisy(adapters, seed):
     ("mlp", {"gating_einsum", "linear"}),
     ("all", {"q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "linear"}),
 ])
+@pytest.mark.slow
 def test_lora_modules_choose_the_adapted_projections_and_the_merge_is_exact(tiny, modules,
                                                                             adapted):
     config, base_model, base = tiny
@@ -66,6 +67,7 @@ def test_lora_modules_choose_the_adapted_projections_and_the_merge_is_exact(tiny
     assert jax.tree.structure(merged) == jax.tree.structure(base)
 
 
+@pytest.mark.slow
 def test_lora_alpha_scales_the_update_as_peft_does(tiny):
     config, base_model, base = tiny
     trained = _noisy(lora.init_adapters(config, rank=RANK, modules="all", dtype="float32",
@@ -112,6 +114,7 @@ def lora_run(tmp_path_factory, cache_dir, stories_file):
     return tmp_path, experiment, summary, frozen_before
 
 
+@pytest.mark.slow
 def test_a_lora_run_trains_only_the_adapters(lora_run):
     _, experiment, summary, frozen_before = lora_run
     # The state holds the adapters and their AdamW moments, nothing of the base model.
@@ -128,6 +131,7 @@ def test_a_lora_run_trains_only_the_adapters(lora_run):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.2
 
 
+@pytest.mark.slow
 def test_the_base_weights_are_held_in_the_compute_dtype(tmp_path, cache_dir, stories_file):
     config = _config(tmp_path, cache_dir, stories_file, "bf16", compute_dtype="bfloat16",
                      max_steps=1)
@@ -137,6 +141,7 @@ def test_the_base_weights_are_held_in_the_compute_dtype(tmp_path, cache_dir, sto
     assert {x.dtype for x in jax.tree.leaves(weights.state.params)} == {jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.slow
 def test_a_lora_run_saves_merged_params_and_adapters_and_samples_alike(lora_run):
     _, experiment, _, _ = lora_run
     output = experiment.config.output_dir
@@ -155,6 +160,7 @@ def test_a_lora_run_saves_merged_params_and_adapters_and_samples_alike(lora_run)
     assert from_lora[0].text == from_merged.text and from_merged.text
 
 
+@pytest.mark.slow
 def test_a_crashed_lora_run_resumes_exactly(lora_run, cache_dir, stories_file):
     """The base is rebuilt from its source, the adapters and moments restored: the same
     losses and adapters as the uninterrupted run, bit for bit."""
@@ -176,6 +182,7 @@ def test_a_crashed_lora_run_resumes_exactly(lora_run, cache_dir, stories_file):
         Experiment.prepare(dataclasses.replace(config, lora_rank=8))
 
 
+@pytest.mark.slow
 def test_trained_token_rows_change_only_their_rows_learn_and_merge_exactly(tiny, tmp_path):
     """lora_train_tokens: the rows' update joins the (tied) embedding, gets gradients, and the
     merged tree and the PEFT export carry the trained rows."""

@@ -36,6 +36,7 @@ def continuations(model, params, tokenizer, **kwargs):
                                      compute_dtype=jnp.float32, **kwargs)
 
 
+@pytest.mark.slow
 def test_margins_score_the_sampler_own_choices(model_and_params, tokenizer):
     """Teacher-forced, each greedy token is the argmax: margins are >= 0 (up to float noise)
     and line up with the generated positions (an off-by-one would make many negative)."""

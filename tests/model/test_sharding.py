@@ -84,10 +84,11 @@ def test_bfloat16_compute_on_a_3d_mesh_stays_close_to_one_device():
 PARITY_RTOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("shape", "q_shard"), [
-    pytest.param({"data": 8}, (4, 128, 32), marks=pytest.mark.slow),
-    pytest.param({"fsdp": 8}, (4, 16, 32), marks=pytest.mark.slow),
-    pytest.param({"tensor": 2, "data": 4}, (2, 128, 32), marks=pytest.mark.slow),
+    ({"data": 8}, (4, 128, 32)),
+    ({"fsdp": 8}, (4, 16, 32)),
+    ({"tensor": 2, "data": 4}, (2, 128, 32)),
     ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 64, 32)),
 ])
 def test_meshes_train_like_one_device_and_really_shard(one_device, shape, q_shard):
@@ -107,6 +108,7 @@ def test_meshes_train_like_one_device_and_really_shard(one_device, shape, q_shar
     assert full / split <= per_device < full / split * 1.05  # norms (~1%) stay whole
 
 
+@pytest.mark.slow
 def test_lora_on_a_3d_mesh_trains_like_one_device():
     """LoRA's frozen base split by the rules, its replicated adapters: one device's losses."""
     reference, _, _ = _train({"data": 1}, jax.devices()[:1], steps=8, lora_rank=4)

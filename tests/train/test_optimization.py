@@ -93,6 +93,7 @@ def _batch(rows=8, maxlen=16, vocab=64, seed=0):
             "loss_mask": (segments > 0).astype(np.int32)}
 
 
+@pytest.mark.slow
 def test_params_are_fp32_masters_and_a_step_learns():
     model, params = _tiny_setup()
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
@@ -116,6 +117,7 @@ def test_params_are_fp32_masters_and_a_step_learns():
     assert float(metrics["grad_norm"]) > 0
 
 
+@pytest.mark.slow
 def test_padding_does_not_change_loss_or_gradients():
     model, params = _tiny_setup()
     batch = _batch()
@@ -268,6 +270,7 @@ def test_the_loss_under_fsdp_gathers_the_embedding_and_keeps_its_numbers():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_loss_never_holds_all_logits():
     """Chunking saves at least one fp32 copy of the batch's logits in the compiled step."""
     vocab, rows, maxlen = 32_768, 8, 256

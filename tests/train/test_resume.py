@@ -78,6 +78,7 @@ def uninterrupted(tmp_path_factory, cache_dir, stories_file):
     return tmp_path, experiment
 
 
+@pytest.mark.slow
 def test_a_crashed_run_resumes_exactly(uninterrupted, cache_dir, stories_file):
     """Killed before step 7 (checkpoint at 4), then started again: the same 12 per-step losses
     and the same final params, bit for bit (same devices, same compiled step, same batches)."""
@@ -101,6 +102,7 @@ def test_a_crashed_run_resumes_exactly(uninterrupted, cache_dir, stories_file):
     assert second.checkpoints.steps() == [4, 8, 12]
 
 
+@pytest.mark.slow
 def test_a_finished_run_resumes_to_its_end(uninterrupted, cache_dir, stories_file, capsys):
     tmp_path, whole = uninterrupted
     again = Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "whole"))
@@ -111,6 +113,7 @@ def test_a_finished_run_resumes_to_its_end(uninterrupted, cache_dir, stories_fil
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_the_data_position_is_restored(uninterrupted, cache_dir, stories_file):
     """After a restore the iterator yields the batch the uninterrupted run would take next."""
     tmp_path, _ = uninterrupted
@@ -132,6 +135,7 @@ def test_the_data_position_is_restored(uninterrupted, cache_dir, stories_file):
 
 @pytest.mark.parametrize(("field", "value"), [("maxlen", 32), ("batch_size", 16), ("seed", 6),
                                               ("model", "gemma3-270m")])
+@pytest.mark.slow
 def test_resuming_with_another_config_names_the_field(uninterrupted, cache_dir, stories_file,
                                                       field, value):
     tmp_path, _ = uninterrupted
@@ -143,6 +147,7 @@ def test_resuming_with_another_config_names_the_field(uninterrupted, cache_dir, 
     assert "\n" not in str(error.value) and "or a new output_dir" in str(error.value)
 
 
+@pytest.mark.slow
 def test_resume_false_needs_an_empty_directory(uninterrupted, cache_dir, stories_file, tmp_path):
     done, _ = uninterrupted
     with pytest.raises(ConfigError, match="^resume: .* holds the checkpoints of an earlier run"):
@@ -162,6 +167,7 @@ def _restore_target(run, tmp_path):
     return abstract, fresh.data.train_iterator
 
 
+@pytest.mark.slow
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(uninterrupted, tmp_path):
     done, whole = uninterrupted
     copy = tmp_path / "copy"
@@ -266,6 +272,7 @@ def test_papermill_runs_survive_sigkill_and_sigterm(tmp_path, cache_dir, stories
 # --- guards -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_naming_the_step_and_the_last_good_checkpoint(
         tmp_path, cache_dir, stories_file):
     config = _config(tmp_path, cache_dir, stories_file, "diverge", learning_rate=1e30,
@@ -279,6 +286,7 @@ def test_a_diverging_run_stops_naming_the_step_and_the_last_good_checkpoint(
     assert f"the last good checkpoint is {run.checkpoints.directory}/{step - 1}" in message
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_leaves_the_weights_of_a_bad_step_alone(tmp_path, cache_dir,
                                                                stories_file):
     config = _config(tmp_path, cache_dir, stories_file, "skip", learning_rate=1e30,
@@ -307,6 +315,7 @@ def test_an_unwritable_or_full_output_dir_is_refused_before_any_work(tmp_path, c
         Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "full"))
 
 
+@pytest.mark.slow
 def test_a_save_cut_short_is_not_a_checkpoint(uninterrupted, tmp_path):
     """What a kill during a save leaves (Orbax's temporary directory, never renamed into place)
     is ignored: the newest finished checkpoint is restored."""

@@ -516,6 +516,7 @@ def test_a_failed_conversion_leaves_no_file(tmp_path, monkeypatch):
                 and p.name != "sha256.json"]
 
 
+@pytest.mark.slow
 def test_the_embedded_files_tensors_convert_bit_for_bit(cache_dir, tmp_path):
     # Every quant type of the real file (F32, Q5_0, Q4_K, Q8_0, Q6_K), its 262144 x 640 Q8_0
     # token embedding in uneven blocks of 300 rows, three workers.
