@@ -165,7 +165,7 @@ def run_peft(out: Path, batch: int, maxlen: int, steps: int, every: int, dtype: 
         if step > 1:  # the first step warms up
             seconds += elapsed
             useful += int((labels != -100).sum())
-        print(f"peft step {step}: {elapsed:.1f} s, loss {float(loss):.3f}", file=sys.stderr,
+        print(f"peft step {step}: {elapsed:.1f} s, loss {loss.item():.3f}", file=sys.stderr,
               flush=True)
         if step % every == 0 or step == steps:
             curve.append({"step": step, "seconds": seconds, "held_out_loss": held_out_loss()})
