@@ -188,6 +188,19 @@ def child(args: argparse.Namespace, side: str, mode: str, maxlen: int) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """``--out`` absolute, ``--cache-dir`` defaulted, and in a child (``--one``) torch's
+    ``--site-packages`` importable."""
+    args.out = args.out.resolve()
+    if args.cache_dir is None:
+        from gemmalab.config import default_cache_dir
+
+        args.cache_dir = Path(default_cache_dir())
+    if args.one:
+        sys.path.append(str(args.site_packages.resolve()))
+    return args
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one", choices=["gemmalab", "peft"], help=argparse.SUPPRESS)
@@ -201,14 +214,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--peft-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="torch's weights and compute (float32 on CPUs without bf16 units)")
-    args = parser.parse_args()
-    args.out = args.out.resolve()
-    if args.cache_dir is None:
-        from gemmalab.config import default_cache_dir
-
-        args.cache_dir = Path(default_cache_dir())
+    args = resolved(parser.parse_args())
     if args.one:
-        sys.path.append(str(args.site_packages.resolve()))
         mode, maxlen = args.modes[0], args.maxlens[0]
         if args.one == "gemmalab":
             result = run_gemmalab(args.out, args.cache_dir, mode, args.batch_size, maxlen,

@@ -271,14 +271,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="steps between held-out evals")
     parser.add_argument("--peft-dtype", default="float32", choices=["bfloat16", "float32"],
                         help="torch's weights and compute (float32 on CPUs without bf16 units)")
-    args = parser.parse_args()
-    args.out = args.out.resolve()
-    if args.cache_dir is None:
-        from gemmalab.config import default_cache_dir
-
-        args.cache_dir = Path(default_cache_dir())
+    args = vs_hf_peft.resolved(parser.parse_args())
     if args.one:
-        sys.path.append(str(args.site_packages.resolve()))
         if args.one == "peft":
             result = run_peft(args.out, args.batch_size, args.maxlen, args.peft_steps,
                               args.every, args.peft_dtype)

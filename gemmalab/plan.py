@@ -850,13 +850,14 @@ def compile_plans(targets: Sequence[tuple[TrainConfig, Accelerator | str]], *,
     # The whole config: a field the compiled step depends on cannot be left out.
     requests = [{"config": config.to_dict(), "accelerator": accelerator.name}
                 for config, accelerator in targets]
-    distinct = list(dict.fromkeys(json.dumps(request, sort_keys=True) for request in requests))
+    keys = [json.dumps(request, sort_keys=True) for request in requests]
+    distinct = list(dict.fromkeys(keys))
     # Compile-only: no chip is opened, so several planners may run at once (libtpu otherwise
     # takes a machine-wide lock meant for processes that drive real chips).
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_LIBRARY_PATH": library,
            "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": "", "TPU_SKIP_MDS_QUERY": "1",
            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    argument = json.dumps({"requests": [json.loads(request) for request in distinct]})
+    argument = json.dumps({"requests": [requests[keys.index(key)] for key in distinct]})
     result = subprocess.run([sys.executable, "-m", AOT_COMPILER, argument],
                             env=env, capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
@@ -867,8 +868,8 @@ def compile_plans(targets: Sequence[tuple[TrainConfig, Accelerator | str]], *,
     compiled = dict(zip(distinct, (json.loads(line) for line in lines[-len(distinct):]),
                         strict=True))
     plans = []
-    for request, analytic in zip(requests, analytics, strict=True):
-        step = compiled[json.dumps(request, sort_keys=True)]
+    for key, analytic in zip(keys, analytics, strict=True):
+        step = compiled[key]
         plans.append(dataclasses.replace(
             analytic, method="compiled", breakdown=step["breakdown"],
             flops_per_step=step["flops"],
