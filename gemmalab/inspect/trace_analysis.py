@@ -7,6 +7,9 @@ without starting the XProf UI:
 * :func:`op_stats` -- the operations that took the most time (xprof's ``framework_op_stats``
   tool on TPU/GPU; on CPU, where that tool reports only ``IDLE``, the XLA:CPU op events of
   the raw trace);
+* :func:`time_by_part` -- the same ops grouped by part of the step (the loss's logits
+  matmuls, the model's matmuls, LoRA, attention, norms, the optimizer), placed through the
+  compiled step's HLO (each op's jax name stack);
 * :func:`step_breakdown` -- per ``jax.profiler.StepTraceAnnotation`` step: step time, device
   compute, host time inside jitted calls and host time outside them (data wait);
 * :func:`xprof_step_table` / :func:`xprof_tables` -- xprof's own tables as DataFrames;
@@ -387,6 +390,105 @@ def op_stats(xplane: str | Path, top: int = 20, *, include_host: bool = False) -
     frame.attrs["source"] = source
     frame.attrs["total_self_time_us"] = {str(k): float(v) for k, v in totals.items()}
     return frame
+
+
+PART_COLUMNS = ("part", "ms_per_step", "share", "operations")
+"""Columns of :func:`time_by_part`."""
+
+
+def time_by_part(xplane: str | Path, hlo_text: str, *, steps: int) -> pd.DataFrame:
+    """Where a traced step's op time goes, by part of the step, largest first (columns:
+    ``PART_COLUMNS``): the loss's logits matmuls and the rest of the loss (softmax, casts),
+    the model's matmuls, LoRA's adapters, attention's scores/softmax/masks, norms, the
+    optimizer, everything else.
+
+    ``hlo_text``: the traced program's optimized HLO (``compiled.as_text()``, e.g.
+    ``experiment.train_step.as_text()``): each traced op is looked up by its instruction name
+    there, and placed by its ``op_name`` (the jax name stack: the loss's and the optimizer's
+    named scopes, gemma's module path) and by whether it computes a dot. ``steps``: how many
+    steps the trace holds (the op times are divided by it). Ops not in ``hlo_text`` (another
+    program) are ``other programs``. ``share`` is of the summed op self time, which can exceed
+    the step time where XLA runs independent ops at once.
+    """
+    import pandas as pd
+
+    require(isinstance(steps, int) and steps > 0, "steps", f"{steps!r} is not a positive integer",
+            "pass the number of traced steps, e.g. profile_steps")
+    require(isinstance(hlo_text, str) and "ENTRY" in hlo_text, "hlo_text",
+            "is not an optimized HLO module's text", "pass compiled.as_text() of the traced step")
+    instructions = _hlo_instructions(hlo_text)
+    ops = op_stats(xplane, top=1_000_000)
+    ops = ops[ops["host_or_device"] == "Device"]
+    times: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, self_us in zip(ops["operation"], ops["self_time_us"], strict=True):
+        found = instructions.get(name)
+        part = "other programs" if found is None else _part_of(*found)
+        times[part][0] += float(self_us)
+        times[part][1] += 1
+    total = sum(t for t, _ in times.values()) or 1.0
+    frame = pd.DataFrame([{"part": part, "ms_per_step": t / 1e3 / steps, "share": t / total,
+                           "operations": n} for part, (t, n) in times.items()],
+                         columns=list(PART_COLUMNS))
+    return frame.sort_values("ms_per_step", ascending=False, kind="stable").reset_index(drop=True)
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+([\w\-]+)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_DOTS = ("dot", "convolution")
+
+
+def _hlo_instructions(hlo_text: str) -> dict[str, tuple[str, bool]]:
+    """Every instruction of an HLO module's text: name -> (its op_name, whether it or the
+    computation it calls computes a dot). A fusion without an op_name of its own takes the
+    most frequent one inside its computation."""
+    computations: dict[str, list[tuple[str, str, str, str | None]]] = defaultdict(list)
+    current = ""
+    for line in hlo_text.splitlines():
+        instruction = _INSTRUCTION.match(line)
+        if instruction is None:
+            header = _COMPUTATION.match(line)
+            if header is not None:
+                current = header.group(1)
+            continue
+        op_name, calls = _OP_NAME.search(line), _CALLS.search(line)
+        computations[current].append((instruction.group(1), instruction.group(2),
+                                      op_name.group(1) if op_name else "",
+                                      calls.group(1) if calls else None))
+
+    def inside(computation: str | None) -> tuple[str, bool]:
+        body = computations.get(computation or "", [])
+        names = [op_name for _, _, op_name, _ in body if op_name]
+        dotted = any(opcode in _DOTS for _, opcode, _, _ in body)
+        return (max(set(names), key=names.count) if names else ""), dotted
+
+    found: dict[str, tuple[str, bool]] = {}
+    for body in computations.values():
+        for name, opcode, op_name, calls in body:
+            called_name, called_dot = inside(calls) if calls else ("", False)
+            found[name] = (op_name or called_name, opcode in _DOTS or called_dot)
+    return found
+
+
+def _part_of(op_name: str, is_dot: bool) -> str:
+    from gemmalab.model.cross_entropy import LOSS_SCOPE
+    from gemmalab.train.optimization import OPTIMIZER_SCOPE
+
+    path = set(re.split(r"[/()]", op_name))
+    if LOSS_SCOPE in path:
+        return "loss: logits matmuls" if is_dot else "loss: softmax, casts, rest"
+    if OPTIMIZER_SCOPE in path:
+        return "optimizer"
+    if "lora" in path:  # gemma's LoRA module: the adapters' a and b
+        return "LoRA adapters"
+    if any(part.endswith("_norm") for part in path):
+        return "norms"
+    if "attn" in path and not any(part.endswith("_einsum") for part in path):
+        return "attention: scores, softmax, masks"
+    if is_dot:
+        return "model matmuls (projections, MLP)"
+    return "other (elementwise, copies, casts, gradients)"
 
 
 def _xprof_op_stats(path: Path, include_host: bool) -> pd.DataFrame | None:

@@ -23,6 +23,8 @@ import optax
 from gemmalab.model import attention, cross_entropy, lora, presets, sharding
 from gemmalab.model.mesh import batch_sharding, global_batch, replicated
 
+OPTIMIZER_SCOPE = "optimizer"  # jax.named_scope of the update's ops (their HLO op_name)
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -114,8 +116,9 @@ def make_train_step(model: Any, optimizer: optax.GradientTransformation,
                                                  mesh, grad_accum_steps, frozen)
         scale = 1.0 / jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g * scale, grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope(OPTIMIZER_SCOPE):  # names the update's ops in profiles
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         metrics = {"loss": total * scale, "useful_tokens": count,
                    "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
         if skip_nonfinite:

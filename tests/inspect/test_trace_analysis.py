@@ -215,3 +215,70 @@ def test_xprof_command_names_logdir_and_port(logdir):
     assert ta.xprof_command("gs://bucket/run").startswith("xprof --logdir gs://bucket/run")
     with pytest.raises(ConfigError, match="port"):
         ta.xprof_command(logdir, port=0)
+
+
+@pytest.fixture(scope="module")
+def scoped_trace(tmp_path_factory) -> tuple[Path, str]:
+    """A trace of a step whose ops sit under the loss's and the optimizer's named scopes, with
+    its compiled HLO: a large logits matmul, a small model matmul, an update."""
+    import jax
+    import jax.numpy as jnp
+
+    from gemmalab.model.cross_entropy import LOSS_SCOPE, token_nll
+    from gemmalab.train.optimization import OPTIMIZER_SCOPE
+
+    def step(w, embedding, x, targets):
+        def loss(w):
+            hidden = jnp.tanh(x @ w)
+            with jax.named_scope(LOSS_SCOPE):
+                return jnp.sum(token_nll(hidden @ embedding.T, targets))
+        value, grad = jax.value_and_grad(loss)(w)
+        with jax.named_scope(OPTIMIZER_SCOPE):
+            return w - 0.1 * grad, value
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(keys[0], (64, 64)) * 0.1
+    embedding = jax.random.normal(keys[1], (4096, 64))
+    x = jax.random.normal(keys[2], (256, 64))
+    targets = jnp.arange(256) % 4096
+    compiled = jax.jit(step).lower(w, embedding, x, targets).compile()
+    jax.block_until_ready(compiled(w, embedding, x, targets))
+    directory = tmp_path_factory.mktemp("scoped")
+    jax.profiler.start_trace(str(directory))
+    try:
+        for step_num in range(STEPS):
+            with jax.profiler.StepTraceAnnotation("train", step_num=step_num):
+                w, value = compiled(w, embedding, x, targets)
+                value.block_until_ready()
+    finally:
+        jax.profiler.stop_trace()
+    return ta.find_xplane(directory), compiled.as_text()
+
+
+def test_time_by_part_places_each_op_by_its_scope_and_dot(scoped_trace):
+    xplane, hlo = scoped_trace
+    parts = ta.time_by_part(xplane, hlo, steps=STEPS)
+    assert tuple(parts.columns) == ta.PART_COLUMNS
+    by_part = dict(zip(parts["part"], parts["ms_per_step"], strict=True))
+    for part in ("loss: logits matmuls", "loss: softmax, casts, rest", "optimizer",
+                 "model matmuls (projections, MLP)"):
+        assert by_part.get(part, 0) > 0, (part, by_part)
+    # The logits matmuls (256 x 64 x 4096, forward and backward) outweigh the model's 64 x 64.
+    assert by_part["loss: logits matmuls"] > by_part["model matmuls (projections, MLP)"]
+    assert parts["share"].sum() == pytest.approx(1.0)
+    # Every traced op is counted once: the parts add up to the op table's total.
+    everything = ta.op_stats(xplane, top=1_000_000)
+    assert parts["ms_per_step"].sum() * STEPS * 1e3 == pytest.approx(
+        everything["self_time_us"].sum(), rel=1e-9)
+    assert parts["operations"].sum() == len(everything)
+
+
+def test_time_by_part_names_a_missing_hlo_and_steps(scoped_trace):
+    xplane, hlo = scoped_trace
+    with pytest.raises(ConfigError, match="hlo_text"):
+        ta.time_by_part(xplane, "not hlo", steps=STEPS)
+    with pytest.raises(ConfigError, match="steps"):
+        ta.time_by_part(xplane, hlo, steps=0)
+    # Ops of another program than the one given are set apart, not misplaced.
+    other = ta.time_by_part(xplane, "HloModule other\nENTRY main {\n}\n", steps=STEPS)
+    assert list(other["part"]) == ["other programs"]

@@ -54,6 +54,14 @@ def test_token_nll_gradient_is_softmax_minus_onehot_in_the_logits_dtype(dtype):
     np.testing.assert_allclose(np.asarray(grad, np.float64), expected_grad, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_token_nll_ignores_logits_of_minus_infinity(dtype):
+    """Vocabulary entries masked to -inf drop out of the softmax; the NLL stays finite."""
+    logits = jnp.asarray([[1.0, -jnp.inf, 3.0, -jnp.inf]], dtype)
+    nll = cross_entropy.token_nll(logits, jnp.asarray([2]))
+    assert float(nll[0]) == pytest.approx(math.log(math.exp(1) + math.exp(3)) - 3, rel=1e-6)
+
+
 def test_attention_mask_is_causal_within_segments_and_empty_for_padding():
     segments = jnp.asarray([[1, 1, 2, 2, 0]])
     expected = np.array([
