@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 RANK, ALPHA = 8, 16
 LEARNING_RATE = 2e-4  # PEFT's usual LoRA rate; gemmalab runs the same here
@@ -123,7 +124,8 @@ def run_gemmalab(out: Path, cache_dir: Path, mode: str, batch: int, maxlen: int,
             "peak_rss_gb": summary["peak_host_memory_gb"]}
 
 
-def run_peft(out: Path, mode: str, batch: int, maxlen: int, steps: int, dtype: str) -> dict:
+def run_peft(out: Path, mode: str, batch: int, maxlen: int, steps: int, dtype: str,
+             micro_batches: int = 1) -> dict:
     import torch
     import transformers
 
@@ -144,48 +146,75 @@ def run_peft(out: Path, mode: str, batch: int, maxlen: int, steps: int, dtype: s
     rows = windows(json.loads((out / "documents.json").read_text()), maxlen)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
     times, tokens, useful = [], 0, 0
+    size = batch // micro_batches  # rows a forward pass; the gradients of micro_batches summed
     for step in range(steps + 1):
         picked = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)]
-        longest = max(len(r) for r in picked) - 1
-        inputs = torch.zeros((batch, longest), dtype=torch.long)
-        labels = torch.full((batch, longest), -100, dtype=torch.long)
-        attention = torch.zeros((batch, longest), dtype=torch.long)
-        for i, row in enumerate(picked):
-            n = len(row) - 1
-            inputs[i, :n] = torch.tensor(row[:-1])
-            labels[i, :n] = torch.tensor(row[1:])
-            attention[i, :n] = 1
         begin = time.perf_counter()
-        logits = model(input_ids=inputs, attention_mask=attention).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                 labels.flatten(), ignore_index=-100)
-        loss.backward()
+        for micro in range(micro_batches):
+            inputs, labels, attention = padded(picked[micro * size:(micro + 1) * size])
+            logits = model(input_ids=inputs, attention_mask=attention).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                     labels.flatten(), ignore_index=-100)
+            (loss / micro_batches).backward()
+            del logits, loss
+            if step:  # the first step warms up
+                tokens += inputs.numel()
+                useful += int((labels != -100).sum())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - begin
         print(f"peft step {step}: {elapsed:.1f} s", file=sys.stderr, flush=True)
-        if step:  # the first step warms up
+        if step:
             times.append(elapsed)
-            tokens += batch * longest
-            useful += int((labels != -100).sum())
     total = sum(times)
     return {"step_s": total / len(times), "tokens_per_s": tokens / total,
             "useful_tokens_per_s": useful / total, "useful_share": useful / (batch * maxlen *
                                                                             len(times)),
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "micro_batches": micro_batches}
+
+
+def padded(picked: list[list[int]]) -> tuple[Any, Any, Any]:
+    """Windows as ``DataCollatorForLanguageModeling`` pads them: to the longest of the batch,
+    padding masked out of attention and of the loss (label -100)."""
+    import torch
+
+    longest = max(len(r) for r in picked) - 1
+    inputs = torch.zeros((len(picked), longest), dtype=torch.long)
+    labels = torch.full((len(picked), longest), -100, dtype=torch.long)
+    attention = torch.zeros((len(picked), longest), dtype=torch.long)
+    for i, row in enumerate(picked):
+        n = len(row) - 1
+        inputs[i, :n] = torch.tensor(row[:-1])
+        labels[i, :n] = torch.tensor(row[1:])
+        attention[i, :n] = 1
+    return inputs, labels, attention
 
 
 def child(args: argparse.Namespace, side: str, mode: str, maxlen: int) -> dict:
-    command = [sys.executable, __file__, "--one", side, "--modes", mode, "--maxlens", str(maxlen),
-               "--out", str(args.out), "--cache-dir", str(args.cache_dir), "--steps",
-               str(args.steps), "--batch-size", str(args.batch_size), "--site-packages",
-               str(args.site_packages), "--peft-dtype", args.peft_dtype]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"{side} {mode} {maxlen} failed:\n{done.stdout[-3000:]}"
-                         f"{done.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    """One loop's figures, from its own process. A PEFT run killed for memory (the 262k
+    vocabulary's fp32 logits: 4.3 GB at 8 x 512, and their gradient) is run again as a
+    Trainer user would: half the rows a pass and twice the gradient accumulation, the same
+    update; ``micro_batches`` says how many it took."""
+    micro_batches = 1
+    while True:
+        command = [sys.executable, __file__, "--one", side, "--modes", mode, "--maxlens",
+                   str(maxlen), "--out", str(args.out), "--cache-dir", str(args.cache_dir),
+                   "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                   "--site-packages", str(args.site_packages), "--peft-dtype", args.peft_dtype,
+                   "--peft-micro-batches", str(micro_batches)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is not None:
+            return json.loads(line[len("RESULT "):])
+        killed = done.returncode in (-9, 137)  # the kernel's OOM killer
+        if side == "peft" and killed and micro_batches < args.batch_size:
+            print(f"peft {mode} {maxlen}: killed at {micro_batches} micro-batch(es), "
+                  f"trying {micro_batches * 2}", flush=True)
+            micro_batches *= 2
+            continue
+        raise SystemExit(f"{side} {mode} {maxlen} failed (exit {done.returncode}):\n"
+                         f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
 
 
 def resolved(args: argparse.Namespace) -> argparse.Namespace:
@@ -214,6 +243,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--peft-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="torch's weights and compute (float32 on CPUs without bf16 units)")
+    parser.add_argument("--peft-micro-batches", type=int, default=1, help=argparse.SUPPRESS)
     args = resolved(parser.parse_args())
     if args.one:
         mode, maxlen = args.modes[0], args.maxlens[0]
@@ -222,7 +252,7 @@ def main() -> None:
                                   args.steps)
         else:
             result = run_peft(args.out, mode, args.batch_size, maxlen, args.steps,
-                              args.peft_dtype)
+                              args.peft_dtype, args.peft_micro_batches)
         print("RESULT " + json.dumps(result))
         return
 
@@ -250,7 +280,10 @@ def main() -> None:
     for r in results:
         for side in ("peft", "gemmalab"):
             ratio = f"{r['useful_ratio']:.2f}x" if side == "gemmalab" else ""
-            print(f"| {r['mode']} | {r['maxlen']} | {r['round']} | {side} | "
+            loop = side
+            if r.get(f"{side}_micro_batches", 1) > 1:
+                loop += f" ({r[f'{side}_micro_batches']} micro-batches)"
+            print(f"| {r['mode']} | {r['maxlen']} | {r['round']} | {loop} | "
                   f"{r[f'{side}_step_s']:.2f} | {r[f'{side}_tokens_per_s']:,.0f} | "
                   f"{r[f'{side}_useful_tokens_per_s']:,.0f} | {r[f'{side}_useful_share']:.0%} | "
                   f"{r[f'{side}_peak_rss_gb']:.1f} | {ratio} |")

@@ -87,42 +87,65 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
     """
     # The scope names the loss's ops in profiles (trace_analysis.time_by_part).
     with jax.named_scope(LOSS_SCOPE):
-        return _chunked_cross_entropy(hidden, embedding, targets, mask, softcap=softcap,
-                                      max_logits=max_logits, mesh=mesh, row_updates=row_updates)
+        return _chunked_nll(hidden, embedding, targets, mask, None, 0, softcap=softcap,
+                            max_logits=max_logits, mesh=mesh, row_updates=row_updates)
 
 
-def _chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array,
-                           mask: jax.Array, *, softcap: float | None, max_logits: int, mesh: Any,
-                           row_updates: tuple[jax.Array, jax.Array] | None
-                           ) -> tuple[jax.Array, jax.Array]:
+def chunked_segment_nll(hidden: jax.Array, embedding: jax.Array, targets: jax.Array,
+                        mask: jax.Array, segment_ids: jax.Array, *, num_segments: int,
+                        softcap: float | None = None, max_logits: int, mesh: Any = None,
+                        row_updates: tuple[jax.Array, jax.Array] | None = None
+                        ) -> tuple[jax.Array, jax.Array]:
+    """``chunked_cross_entropy`` summed per packed segment instead of over the batch:
+    ``([B, num_segments] NLL sums, [B, num_segments] loss-bearing targets)``, column ``k`` for
+    segment id ``k + 1`` of each row (0 is padding; ids above ``num_segments`` are dropped).
+    A sequence's log-probability is minus its column: what preference losses compare, from
+    the same chunks, never the whole logits."""
+    with jax.named_scope(LOSS_SCOPE):
+        return _chunked_nll(hidden, embedding, targets, mask, segment_ids, num_segments,
+                            softcap=softcap, max_logits=max_logits, mesh=mesh,
+                            row_updates=row_updates)
+
+
+def _chunked_nll(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, mask: jax.Array,
+                 segment_ids: jax.Array | None, num_segments: int, *, softcap: float | None,
+                 max_logits: int, mesh: Any, row_updates: tuple[jax.Array, jax.Array] | None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The NLL sums and counts of the batch (``segment_ids`` None) or of each row's segments."""
     rows, length, dim = hidden.shape
     vocab = embedding.shape[0]
+    fields = (targets, mask) if segment_ids is None else (targets, mask, segment_ids)
 
-    def one_chunk(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        h, t, m = args
+    def one_chunk(args: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        h, t, m, *segments = args
         logits = jnp.einsum("...d,vd->...v", h, embedding)
         if row_updates is not None:
             ids, update = row_updates
             logits = logits.at[..., ids].add(jnp.einsum("...d,kd->...k", h, update))
         if softcap is not None:
             logits = jnp.tanh(logits / softcap) * softcap
-        return masked_cross_entropy(logits, t, m)
+        if not segments:
+            return masked_cross_entropy(logits, t, m)
+        m = m.astype(jnp.float32)
+        columns = jnp.arange(1, num_segments + 1, dtype=segments[0].dtype)
+        of_segment = (segments[0][..., None] == columns).astype(jnp.float32)  # [rows, span, S]
+        return (jnp.einsum("rl,rls->rs", token_nll(logits, t) * m, of_segment),
+                jnp.einsum("rl,rls->rs", m, of_segment))
 
     span = max(1, max_logits // vocab // rows)  # positions per chunk
     if span >= length:  # all logits fit in the bound: keep them, recompute nothing
-        return one_chunk((hidden, targets, mask))
+        return one_chunk((hidden, *fields))
     padding = -length % span
     if padding:
         hidden = jnp.pad(hidden, ((0, 0), (0, padding), (0, 0)))
-        targets, mask = (jnp.pad(x, ((0, 0), (0, padding))) for x in (targets, mask))
+        fields = tuple(jnp.pad(x, ((0, 0), (0, padding))) for x in fields)
     count = (length + padding) // span
     chunks = (hidden.reshape(rows, count, span, dim).swapaxes(0, 1),
-              targets.reshape(rows, count, span).swapaxes(0, 1),
-              mask.reshape(rows, count, span).swapaxes(0, 1))
+              *(x.reshape(rows, count, span).swapaxes(0, 1) for x in fields))
     if mesh is not None:
         chunks = jax.lax.with_sharding_constraint(
             chunks, NamedSharding(mesh, PartitionSpec(None, BATCH_AXES)))
         embedding = jax.lax.with_sharding_constraint(embedding, NamedSharding(
             mesh, sharding.gathered_spec("input_embedding", embedding.shape, mesh)))
     totals, counts = jax.lax.map(jax.checkpoint(one_chunk), chunks)
-    return jnp.sum(totals), jnp.sum(counts)
+    return jnp.sum(totals, axis=0), jnp.sum(counts, axis=0)
