@@ -57,6 +57,19 @@ class Conversation:
         return self.turns[-1][1]
 
 
+@dataclasses.dataclass(frozen=True)
+class PreferencePair:
+    """One prompt with a preferred (``chosen``) and a dispreferred (``rejected``) reply: two
+    conversations with the same prompt turns, differing in their last model turns."""
+
+    chosen: Conversation
+    rejected: Conversation
+
+    @property
+    def prompt_turns(self) -> tuple[Turn, ...]:
+        return self.chosen.prompt_turns
+
+
 def turn_text(role: str, content: str) -> str:
     return f"{START_OF_TURN}{role}\n{content}{END_OF_TURN}"
 

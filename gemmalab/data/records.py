@@ -7,6 +7,11 @@ alternate user/model and end with a model turn. An optional ``"facts": {str: str
 reply should contain (the task metric scores held-out conversations on it); other keys are
 ignored. Blank lines are skipped. Contents are trimmed, as Gemma's chat template does.
 
+Preference records (DPO) take TRL's two forms: ``{"prompt": str, "chosen": str, "rejected":
+str}``, or conversational, ``{"prompt": [messages ending with a user turn], "chosen":
+[messages], "rejected": [messages]}``: the prompt's messages followed by either side's must
+make a conversation as above. Both sides share the prompt; they must differ.
+
 The file is streamed line by line, never held in memory. ``validate`` reads it once before any
 tokenizing: the first bad record is a one-line ``ConfigError`` naming its line, or, with
 ``skip_bad_records``, every bad record is counted and skipped.
@@ -22,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from gemmalab import storage
-from gemmalab.data.chat import MODEL, USER, Conversation, Turn
+from gemmalab.data.chat import MODEL, USER, Conversation, PreferencePair, Turn
 from gemmalab.errors import ConfigError
 
 READ_CHUNK_BYTES = 8 << 20
@@ -53,7 +58,7 @@ def is_jsonl(path: str) -> bool:
 # One record.
 
 
-def parse_line(line: str) -> Conversation:
+def parse_line(line: str) -> Conversation | PreferencePair:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
@@ -62,12 +67,15 @@ def parse_line(line: str) -> Conversation:
     return parse_record(record)
 
 
-def parse_record(record: Any) -> Conversation:
-    """A conversation from one decoded record, or ``BadRecord`` saying what is wrong."""
+def parse_record(record: Any) -> Conversation | PreferencePair:
+    """A conversation (or, with ``chosen``/``rejected``, a preference pair) from one decoded
+    record, or ``BadRecord`` saying what is wrong."""
     if not isinstance(record, dict):
         raise BadRecord(f"is a JSON {type(record).__name__}, not an object",
                         'write {"prompt": ..., "response": ...} or {"messages": [...]}')
     facts = _facts(record.get("facts"))
+    if "chosen" in record or "rejected" in record:
+        return _preference(record, facts)
     has_pair = "prompt" in record or "response" in record
     if has_pair and "messages" in record:
         raise BadRecord("has both 'messages' and 'prompt'/'response'", "keep one of the two")
@@ -80,6 +88,45 @@ def parse_record(record: Any) -> Conversation:
     prompt = _text(record, "prompt", "'prompt'")
     response = _text(record, "response", "'response'")
     return Conversation(((USER, prompt), (MODEL, response)), facts)
+
+
+def _preference(record: dict, facts: dict[str, str] | None) -> PreferencePair:
+    extra = {"response", "messages"} & set(record)
+    if extra:
+        raise BadRecord(f"has 'chosen'/'rejected' and {sorted(extra)}",
+                        "a preference record holds 'prompt', 'chosen' and 'rejected' only")
+    for key in ("prompt", "chosen", "rejected"):
+        if key not in record:
+            raise BadRecord(f"has no '{key}'", "a preference record needs 'prompt', 'chosen' "
+                            "and 'rejected'")
+    prompt = record["prompt"]
+    if isinstance(prompt, str):  # the standard form: three strings
+        prompt_text = _text(record, "prompt", "'prompt'")
+        sides = [((USER, prompt_text), (MODEL, _text(record, key, f"'{key}'")))
+                 for key in ("chosen", "rejected")]
+    elif isinstance(prompt, list):  # the conversational form: lists of messages
+        sides = []
+        for key in ("chosen", "rejected"):
+            side = record[key]
+            if not isinstance(side, list) or not side:
+                raise BadRecord(f"'{key}' is not a non-empty list of messages",
+                                f'write "{key}": [{{"role": "assistant", "content": ...}}]')
+            try:
+                sides.append(_turns(prompt + side))
+            except BadRecord as bad:
+                raise BadRecord(f"prompt + '{key}': {bad.problem}", bad.fix) from None
+        if len(sides[0]) != len(sides[1]) or sides[0][:-1] != sides[1][:-1]:
+            raise BadRecord("'chosen' and 'rejected' differ before their last model turn",
+                            "let both sides continue the prompt with one model turn each")
+    else:
+        raise BadRecord(f"'prompt' is a {type(prompt).__name__}",
+                        "write 'prompt' as a string, or as a list of messages")
+    if sides[0][-1][1] == sides[1][-1][1]:
+        raise BadRecord("'chosen' and 'rejected' are the same reply",
+                        "give a rejected reply that differs from the chosen one, or drop the "
+                        "record")
+    return PreferencePair(Conversation(tuple(sides[0]), facts),
+                          Conversation(tuple(sides[1]), facts))
 
 
 def _text(holder: dict, key: str, what: str) -> str:
@@ -155,8 +202,10 @@ def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
         yield number + 1, pending
 
 
-def iter_records(path: str) -> Iterator[tuple[int, Conversation | BadRecord]]:
-    """Every non-blank line: its number and its conversation, or what is wrong with it."""
+def iter_records(path: str, *, preferences: bool = False
+                 ) -> Iterator[tuple[int, Conversation | PreferencePair | BadRecord]]:
+    """Every non-blank line: its number and its conversation (``preferences``: its preference
+    pair), or what is wrong with it; a record of the other kind is wrong too."""
     decode = codecs.getdecoder("utf-8")
     for number, raw in iter_lines(path):
         try:
@@ -168,9 +217,20 @@ def iter_records(path: str) -> Iterator[tuple[int, Conversation | BadRecord]]:
         if not line.strip():
             continue
         try:
-            yield number, parse_line(line)
+            record = parse_line(line)
         except BadRecord as bad:
             yield number, bad
+            continue
+        if isinstance(record, PreferencePair) != preferences:
+            yield number, (BadRecord("is a preference record (it has 'chosen'/'rejected')",
+                                     "train on it with objective='dpo', or give it "
+                                     "'prompt'/'response' or 'messages'")
+                           if not preferences else
+                           BadRecord("has no 'chosen'/'rejected' (objective='dpo' trains on "
+                                     "preference pairs)",
+                                     'write {"prompt": ..., "chosen": ..., "rejected": ...}'))
+            continue
+        yield number, record
 
 
 def iter_conversations(path: str) -> Iterator[Conversation]:
@@ -186,13 +246,21 @@ class RecordCounts:
     bad_records: int  # skipped (only ever > 0 with skip_bad_records)
 
 
-def validate(path: str, *, skip_bad_records: bool) -> RecordCounts:
+def iter_pairs(path: str) -> Iterator[PreferencePair]:
+    """The good preference records in order (``validate(..., preferences=True)`` first)."""
+    for _, record in iter_records(path, preferences=True):
+        if isinstance(record, PreferencePair):
+            yield record
+
+
+def validate(path: str, *, skip_bad_records: bool, preferences: bool = False) -> RecordCounts:
     """Read every record once; the first bad one is a ``ConfigError`` naming ``data_path``, its
-    line and the fix, unless ``skip_bad_records`` (then they are counted, with a warning)."""
+    line and the fix, unless ``skip_bad_records`` (then they are counted, with a warning).
+    ``preferences``: the records must be preference pairs (DPO), else conversations."""
     good = bad = 0
     first_bad = ""
-    for number, record in iter_records(path):
-        if isinstance(record, Conversation):
+    for number, record in iter_records(path, preferences=preferences):
+        if not isinstance(record, BadRecord):
             good += 1
             continue
         if not skip_bad_records:
@@ -202,6 +270,8 @@ def validate(path: str, *, skip_bad_records: bool) -> RecordCounts:
         first_bad = first_bad or f"line {number} {record.problem}"
     if good == 0:
         raise ConfigError("data_path", f"{path} holds no usable record ({bad} bad)",
+                          'write one {"prompt": ..., "chosen": ..., "rejected": ...} object per '
+                          "line" if preferences else
                           'write one {"prompt": ..., "response": ...} or {"messages": [...]} '
                           "object per line")
     if bad:
