@@ -560,7 +560,7 @@ def instructions_file_name(num_instructions: int, seed: int = 0) -> str:
 def embedded_instructions_path(cache_dir: str | os.PathLike, num_instructions: int,
                                seed: int = 0) -> pathlib.Path:
     """The cached instruction set's path, generated once (atomically) if missing."""
-    return _cached(pathlib.Path(cache_dir) / instructions_file_name(num_instructions, seed),
+    return cached(pathlib.Path(cache_dir) / instructions_file_name(num_instructions, seed),
                    lambda tmp: write_instructions(tmp, num_instructions, seed))
 
 
@@ -586,11 +586,11 @@ def embedded_corpus_path(
 ) -> pathlib.Path:
     """Return the path of the cached corpus file, generating it once (atomic write: temp file
     + os.replace) if missing."""
-    return _cached(pathlib.Path(cache_dir) / corpus_file_name(num_stories, seed),
+    return cached(pathlib.Path(cache_dir) / corpus_file_name(num_stories, seed),
                    lambda tmp: write_corpus(tmp, num_stories, seed))
 
 
-def _cached(target: pathlib.Path, write: Callable[[str], object]) -> pathlib.Path:
+def cached(target: pathlib.Path, write: Callable[[str], object]) -> pathlib.Path:
     """``target``, written once by ``write(temporary path)`` then renamed into place."""
     if target.is_file():
         return target
