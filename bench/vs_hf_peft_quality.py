@@ -121,16 +121,7 @@ def run_peft(out: Path, batch: int, maxlen: int, steps: int, every: int, dtype: 
     evaluation = held_out_rows(out, maxlen)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
 
-    def padded(picked: list[list[int]]) -> tuple:
-        longest = max(len(r) for r in picked) - 1
-        inputs = torch.zeros((len(picked), longest), dtype=torch.long)
-        labels = torch.full((len(picked), longest), -100, dtype=torch.long)
-        attention = torch.zeros((len(picked), longest), dtype=torch.long)
-        for i, row in enumerate(picked):
-            n = len(row) - 1
-            inputs[i, :n], labels[i, :n], attention[i, :n] = (
-                torch.tensor(row[:-1]), torch.tensor(row[1:]), 1)
-        return inputs, labels, attention
+    padded = vs_hf_peft.padded
 
     def held_out_loss() -> float:
         model.eval()

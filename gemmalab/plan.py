@@ -581,16 +581,19 @@ def _traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int]
 
     - weights: the master copy cast to the compute dtype once a step (full fine-tuning), each
       block's weights read in the forward pass, the backward pass and remat's recompute (each
-      micro-batch), and the embedding read as the output projection by every logits chunk in
-      the forward pass, its recompute and the backward pass;
+      micro-batch), and the embedding read as the output projection by every logits chunk:
+      twice in the forward pass (its logits, and the hidden states' gradient formed there), and
+      with full fine-tuning once more in the backward pass, whose embedding gradient recomputes
+      the chunk's logits (``cross_entropy``'s fused chunks);
     - gradients: written once per micro-batch (the embedding's accumulated over the chunks),
       the float32 accumulator read and written per micro-batch, then read by the clip's norm and
       by the update;
     - optimizer: AdamW reads and writes the master weights and both moments;
     - activations: what the backward pass needs of each block, written once and read once (the
       attention scores only where they are materialised: gemma's own attention);
-    - logits: each chunk's logits written and read in the forward pass, again in its recompute
-      (chunked), and their gradient written and read, in the compute dtype.
+    - logits: each chunk's logits written and read in the forward pass, and their gradient
+      written and read, in the compute dtype; with full fine-tuning, chunked, the backward
+      pass's recompute writes and reads them again.
     """
     from gemmalab.model import attention
 
@@ -601,7 +604,7 @@ def _traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int]
     embedding = used.get("embedder", 0)
     blocks = sum(n for module, n in used.items() if module != "embedder")
     cast = 0 if lora or p_size == c_size else sum(shards.values()) * (p_size + c_size)
-    head_reads = 3 * chunks if chunks > 1 else 2
+    head_reads = (2 if lora else 3) * chunks if chunks > 1 else 2
     weights = cast + accum * (passes * blocks + head_reads * embedding) * c_size
     gradients = trained * (accum * c_size + 2 * (p_size if accum > 1 else c_size))
     if accum > 1:
@@ -617,7 +620,7 @@ def _traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int]
     kept_input = 2 * d * c_size if config.remat == "full" else 0
     activations = accum * tokens * model_config.num_layers * (2 * block + kept_input)
     vocab_shard = vocab // sizes["tensor"] if vocab % sizes["tensor"] == 0 else vocab
-    logits = accum * tokens * vocab_shard * c_size * (6 if chunks > 1 else 5)
+    logits = accum * tokens * vocab_shard * c_size * (6 if chunks > 1 and not lora else 5)
     return {"weights": weights, "gradients": gradients, "optimizer": 6 * trained * p_size,
             "activations": activations, "logits": logits}
 

@@ -21,7 +21,7 @@ import os
 import pathlib
 import random
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, NamedTuple
@@ -544,10 +544,15 @@ def write_instructions(path: str | os.PathLike, num_instructions: int, seed: int
                        ) -> pathlib.Path:
     """Write instruction records to ``path`` as JSONL (one ``{"prompt", "response", "facts"}``
     object per line): the format ``data_path`` accepts for instruction data."""
+    return write_jsonl(path, generate_instructions(num_instructions, seed))
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> pathlib.Path:
+    """``records`` to ``path``, one JSON object a line (UTF-8, ``\\n`` line ends)."""
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8", newline="\n") as f:
-        for record in generate_instructions(num_instructions, seed):
+        for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return out
 

@@ -10,7 +10,6 @@ the standard library, like the corpus.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import random
@@ -23,6 +22,7 @@ from gemmalab.data.corpus import (
     INSTRUCTIONS_VERSION,
     cached,
     generate_instructions,
+    write_jsonl,
 )
 from gemmalab.data.fact_matching import Reply, follows, mentions
 
@@ -77,12 +77,7 @@ def _broken(record: dict, pools: dict[str, list[str]], draws: random.Random) -> 
 
 def write_preferences(path: str | os.PathLike, num_pairs: int, seed: int = 0) -> pathlib.Path:
     """Write the pairs to ``path`` as JSONL, the format ``data_path`` takes for DPO."""
-    out = pathlib.Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8", newline="\n") as f:
-        for record in generate_preferences(num_pairs, seed):
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    return out
+    return write_jsonl(path, generate_preferences(num_pairs, seed))
 
 
 def preferences_file_name(num_pairs: int, seed: int = 0) -> str:

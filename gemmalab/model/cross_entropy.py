@@ -4,6 +4,7 @@ never materialises the whole ``[tokens, vocab]`` logits (a 262k vocabulary would
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -74,16 +75,17 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
     matmul.
 
     With Gemma's 262k vocabulary the logits of a 128 x 256 batch take 34 GB in fp32; there the
-    positions are processed in chunks, and each chunk's logits are recomputed in the backward
-    pass instead of stored. A chunk is a span of positions of every row (at least one), never
-    a run of whole rows: the rows stay where the batch sharding put them, so each device
-    computes the logits of its own rows. (Chunks of the flattened tokens were whole devices'
-    shares: under data parallelism every device gathered and computed each of them, 4x the
-    loss's FLOPs on 4 chips.) Under fsdp the embedding is gathered whole first (its embed
-    dimension is split over the rows' axis too; left to itself XLA moved the rows instead, and
-    a 1B step took 2.8x the memory). When the whole batch's logits fit in one chunk (small
-    vocabularies, small batches) they are kept: recomputing them would cost a third more of
-    the loss's FLOPs for no memory saved.
+    positions are processed in chunks, and each chunk's gradient is formed as soon as its logits
+    are (``_fused_chunks``): only the hidden states' gradient is kept, no logits are stored or
+    recomputed (but for the embedding's own gradient, in full fine-tuning). A chunk is a span of
+    positions of every row (at least one), never a run of whole rows: the rows stay where the
+    batch sharding put them, so each device computes the logits of its own rows. (Chunks of the
+    flattened tokens were whole devices' shares: under data parallelism every device gathered
+    and computed each of them, 4x the loss's FLOPs on 4 chips.) Under fsdp the embedding is
+    gathered whole first (its embed dimension is split over the rows' axis too; left to itself
+    XLA moved the rows instead, and a 1B step took 2.8x the memory). When the whole batch's
+    logits fit in one chunk (small vocabularies, small batches) they are kept and plain autodiff
+    runs through them.
     """
     # The scope names the loss's ops in profiles (trace_analysis.time_by_part).
     with jax.named_scope(LOSS_SCOPE):
@@ -147,5 +149,134 @@ def _chunked_nll(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, ma
             chunks, NamedSharding(mesh, PartitionSpec(None, BATCH_AXES)))
         embedding = jax.lax.with_sharding_constraint(embedding, NamedSharding(
             mesh, sharding.gathered_spec("input_embedding", embedding.shape, mesh)))
-    totals, counts = jax.lax.map(jax.checkpoint(one_chunk), chunks)
+    update = None if row_updates is None else row_updates[1]
+    ids = None if row_updates is None else row_updates[0]
+    return _fused_chunks(chunks[0], embedding, update, chunks[1:], ids, softcap, num_segments)
+
+
+# The chunked loss's gradient, taken in its forward pass (the "fused linear cross entropy" of
+# Liger / Cut Cross-Entropy): each chunk's logits are computed once, its softmax-minus-onehot
+# turned straight into the hidden states' gradient, and only that ``[rows, span, D]`` block is
+# kept; the backward pass scales it by each position's cotangent. Autodiff through checkpointed
+# chunks instead computed every chunk's logits twice (forward, then recomputed in backward): a
+# third more of the loss's FLOPs, which are half a small Gemma's step. The embedding's gradient
+# (full fine-tuning) depends on those cotangents, so it alone recomputes the logits, in the
+# backward pass; LoRA's frozen head never needs it (``symbolic_zeros`` says which inputs are
+# differentiated).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fused_chunks(hidden: jax.Array, embedding: jax.Array, update: jax.Array | None,
+                  fields: tuple[jax.Array, ...], ids: jax.Array | None, softcap: float | None,
+                  num_segments: int) -> tuple[jax.Array, jax.Array]:
+    def one(args: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        h, (t, m, *segments) = args[0], args[1:]
+        logits = _chunk_logits(h, embedding, update, ids, softcap)
+        return _reduce(token_nll(logits, t), m, segments, num_segments)
+
+    totals, counts = jax.lax.map(one, (hidden, *fields))
     return jnp.sum(totals, axis=0), jnp.sum(counts, axis=0)
+
+
+def _chunk_logits(h: jax.Array, embedding: jax.Array, update: jax.Array | None,
+                  ids: jax.Array | None, softcap: float | None) -> jax.Array:
+    logits = jnp.einsum("...d,vd->...v", h, embedding)
+    if update is not None:
+        logits = logits.at[..., ids].add(jnp.einsum("...d,kd->...k", h, update))
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _reduce(nll: jax.Array, m: jax.Array, segments: list[jax.Array], num_segments: int
+            ) -> tuple[jax.Array, jax.Array]:
+    """A chunk's NLL and target counts: summed, or per row and segment."""
+    m = m.astype(jnp.float32)
+    if not segments:
+        return jnp.sum(nll * m), jnp.sum(m)
+    of_segment = _of_segment(segments[0], num_segments)
+    return (jnp.einsum("rl,rls->rs", nll * m, of_segment), jnp.einsum("rl,rls->rs", m, of_segment))
+
+
+def _of_segment(segments: jax.Array, num_segments: int) -> jax.Array:
+    columns = jnp.arange(1, num_segments + 1, dtype=segments.dtype)
+    return (segments[..., None] == columns).astype(jnp.float32)  # [rows, span, S]
+
+
+def _unit_logit_gradient(h: jax.Array, embedding: jax.Array, update: jax.Array | None,
+                         ids: jax.Array | None, softcap: float | None, t: jax.Array, m: jax.Array
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A chunk's masked NLL, and its gradient w.r.t. the (uncapped) logits for a cotangent of
+    one at every position, in the logits' dtype: ``(nll, gradient, logits)``."""
+    raw = jnp.einsum("...d,vd->...v", h, embedding)
+    if update is not None:
+        raw = raw.at[..., ids].add(jnp.einsum("...d,kd->...k", h, update))
+    logits = raw if softcap is None else jnp.tanh(raw / softcap) * softcap
+    nll, (_, _, logsumexp) = _token_nll_forward(logits, t)
+    weight = m.astype(jnp.float32)[..., None]
+    gradient = (jnp.exp(logits.astype(jnp.float32) - logsumexp[..., None])
+                - jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)) * weight
+    if softcap is not None:
+        gradient = gradient * (1.0 - jnp.square(logits.astype(jnp.float32) / softcap))
+    return nll, gradient.astype(logits.dtype), logits
+
+
+def _fused_forward(hidden: Any, embedding: Any, update: Any, fields: Any, ids: Any,
+                   softcap: float | None, num_segments: int) -> tuple[Any, Any]:
+    from jax.custom_derivatives import custom_vjp_primal_tree_values as values
+
+    wants_update = update is not None and update.perturbed
+    wants_embedding = embedding.perturbed
+    hidden, embedding, update, fields, ids = values((hidden, embedding, update, fields, ids))
+
+    def one(args: tuple[jax.Array, ...]) -> tuple[Any, ...]:
+        h, (t, m, *segments) = args[0], args[1:]
+        nll, gradient, _ = _unit_logit_gradient(h, embedding, update, ids, softcap, t, m)
+        d_hidden = jnp.einsum("...v,vd->...d", gradient, embedding)
+        picked = None
+        if update is not None:
+            picked = gradient[..., ids]
+            d_hidden = d_hidden + jnp.einsum("...k,kd->...d", picked, update)
+        return (_reduce(nll, m, segments, num_segments), d_hidden.astype(h.dtype),
+                picked if wants_update else None)
+
+    sums, d_hidden, picked = jax.lax.map(one, (hidden, *fields))
+    totals, counts = (jnp.sum(x, axis=0) for x in sums)
+    residuals = (d_hidden, picked, fields, hidden if (wants_update or wants_embedding) else None,
+                 embedding if wants_embedding else None, update, ids, wants_embedding)
+    return (totals, counts), residuals
+
+
+def _fused_backward(softcap: float | None, num_segments: int, residuals: Any, cotangents: Any
+                    ) -> tuple[Any, ...]:
+    d_hidden, picked, fields, hidden, embedding, update, ids, wants_embedding = residuals
+    cotangent = cotangents[0]  # the counts carry no gradient
+    if type(cotangent) is jax.custom_derivatives.SymbolicZero:
+        cotangent = jnp.zeros(cotangent.shape, cotangent.dtype)
+    if num_segments:  # each position's weight: its segment's cotangent
+        weight = jnp.einsum("crls,rs->crl", jax.vmap(
+            lambda s: _of_segment(s, num_segments))(fields[2]), cotangent)
+    else:
+        weight = jnp.broadcast_to(cotangent, d_hidden.shape[:3])
+    grad_hidden = (d_hidden * weight[..., None].astype(d_hidden.dtype))
+    grad_update = None
+    if picked is not None:
+        grad_update = jnp.einsum("crlk,crl,crld->kd", picked.astype(jnp.float32), weight,
+                                 hidden.astype(jnp.float32))
+    grad_embedding = None
+    if wants_embedding:
+        def embedding_grad(total: jax.Array, args: tuple[jax.Array, ...]
+                           ) -> tuple[jax.Array, None]:
+            h, w, (t, m) = args[0], args[1], args[2:4]
+            _, gradient, _ = _unit_logit_gradient(h, embedding, update, ids, softcap, t, m)
+            return total + jnp.einsum("rlv,rl,rld->vd", gradient.astype(jnp.float32), w,
+                                      h.astype(jnp.float32)), None
+
+        grad_embedding, _ = jax.lax.scan(
+            embedding_grad, jnp.zeros(embedding.shape, jnp.float32),
+            (hidden, weight, *fields[:2]))
+        grad_embedding = grad_embedding.astype(embedding.dtype)
+    if grad_update is not None:
+        grad_update = grad_update.astype(update.dtype)
+    return grad_hidden, grad_embedding, grad_update, tuple(None for _ in fields), None
+
+
+_fused_chunks.defvjp(_fused_forward, _fused_backward, symbolic_zeros=True)

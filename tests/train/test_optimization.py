@@ -214,6 +214,44 @@ def test_chunked_loss_equals_the_full_loss_and_its_gradient(softcap):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("per_segment", [False, True])
+@pytest.mark.parametrize("trained", [("hidden", "update"), ("hidden", "embedding", "update")])
+def test_the_chunked_gradient_taken_in_the_forward_pass_is_autodiffs(softcap, per_segment,
+                                                                      trained):
+    """Chunked, the loss's gradient is formed in its forward pass (no recompute of the logits):
+    for the hidden states and LoRA's token rows (the frozen head), and for the embedding too
+    (full fine-tuning), summed or per segment, it equals autodiff through the whole logits."""
+    rng = np.random.default_rng(4)
+    rows, length, dim, vocab = 2, 10, 8, 50
+    args = {"hidden": jnp.asarray(rng.normal(size=(rows, length, dim)), jnp.float32),
+            "embedding": jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32),
+            "update": jnp.asarray(rng.normal(size=(2, dim)) * 0.1, jnp.float32)}
+    targets = jnp.asarray(rng.integers(0, vocab, (rows, length)))
+    mask = jnp.asarray(rng.random((rows, length)) > 0.3)
+    segment_ids = jnp.asarray(np.repeat([[1, 1, 1, 2, 2, 3, 3, 3, 3, 0]], rows, 0))
+    ids = jnp.asarray([3, 7], jnp.int32)
+
+    def loss(values, max_logits):
+        every = {**args, **values}
+        kwargs = {"softcap": softcap, "max_logits": max_logits,
+                  "row_updates": (ids, every["update"])}
+        if per_segment:
+            sums, _ = cross_entropy.chunked_segment_nll(
+                every["hidden"], every["embedding"], targets, mask, segment_ids,
+                num_segments=3, **kwargs)
+            return jnp.sum(sums * jnp.asarray([1.0, -2.0, 0.5]))
+        return cross_entropy.chunked_cross_entropy(every["hidden"], every["embedding"],
+                                                   targets, mask, **kwargs)[0]
+
+    values = {name: args[name] for name in trained}
+    whole = jax.value_and_grad(loss)(values, 1 << 20)
+    chunked = jax.jit(jax.value_and_grad(loss), static_argnums=1)(values, 3 * vocab * rows)
+    assert float(chunked[0]) == pytest.approx(float(whole[0]), rel=1e-5)
+    for name in trained:
+        np.testing.assert_allclose(chunked[1][name], whole[1][name], rtol=1e-4, atol=1e-5)
+
+
 def test_chunks_of_the_loss_stay_on_the_devices_of_their_rows():
     """Under data parallelism each device computes its own rows' logits, chunk after chunk:
     no hidden state is gathered, and a device's FLOPs are its share of the loss's."""
