@@ -432,17 +432,20 @@ def time_by_part(xplane: str | Path, hlo_text: str, *, steps: int) -> pd.DataFra
     return frame.sort_values("ms_per_step", ascending=False, kind="stable").reset_index(drop=True)
 
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+([\w\-]+)\(")
+# name = shape opcode(...): a tuple shape holds spaces, so the opcode is the first word before "("
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([\w\-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _DOTS = ("dot", "convolution")
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                "all-reduce-start", "all-gather-start", "collective-permute-start")
 
 
-def _hlo_instructions(hlo_text: str) -> dict[str, tuple[str, bool]]:
-    """Every instruction of an HLO module's text: name -> (its op_name, whether it or the
-    computation it calls computes a dot). A fusion without an op_name of its own takes the
-    most frequent one inside its computation."""
+def _hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """Every instruction of an HLO module's text: name -> (its op_name, "dot" where it or the
+    computation it calls computes one, "collective", else its opcode). A fusion without an
+    op_name of its own takes the most frequent one inside its computation."""
     computations: dict[str, list[tuple[str, str, str, str | None]]] = defaultdict(list)
     current = ""
     for line in hlo_text.splitlines():
@@ -463,18 +466,23 @@ def _hlo_instructions(hlo_text: str) -> dict[str, tuple[str, bool]]:
         dotted = any(opcode in _DOTS for _, opcode, _, _ in body)
         return (max(set(names), key=names.count) if names else ""), dotted
 
-    found: dict[str, tuple[str, bool]] = {}
+    found: dict[str, tuple[str, str]] = {}
     for body in computations.values():
         for name, opcode, op_name, calls in body:
             called_name, called_dot = inside(calls) if calls else ("", False)
-            found[name] = (op_name or called_name, opcode in _DOTS or called_dot)
+            kind = ("dot" if opcode in _DOTS or called_dot else
+                    "collective" if opcode in _COLLECTIVES else opcode)
+            found[name] = (op_name or called_name, kind)
     return found
 
 
-def _part_of(op_name: str, is_dot: bool) -> str:
+def _part_of(op_name: str, kind: str) -> str:
     from gemmalab.model.cross_entropy import LOSS_SCOPE
     from gemmalab.train.optimization import OPTIMIZER_SCOPE
 
+    if kind == "collective":  # the gradients' all-reduce, fsdp's gathers: wherever they sit
+        return "collectives (all-reduce, all-gather, ...)"
+    is_dot = kind == "dot"
     path = set(re.split(r"[/()]", op_name))
     if LOSS_SCOPE in path:
         return "loss: logits matmuls" if is_dot else "loss: softmax, casts, rest"

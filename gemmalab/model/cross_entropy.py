@@ -268,12 +268,13 @@ def _fused_backward(softcap: float | None, num_segments: int, residuals: Any, co
             h, w, (t, m) = args[0], args[1], args[2:4]
             _, gradient, _ = _unit_logit_gradient(h, embedding, update, ids, softcap, t, m)
             return total + jnp.einsum("rlv,rl,rld->vd", gradient.astype(jnp.float32), w,
-                                      h.astype(jnp.float32)), None
+                                      h.astype(jnp.float32)).astype(total.dtype), None
 
+        # Summed over the chunks in the embedding's dtype, as autodiff through the chunk loop
+        # did: a float32 [V, D] carry would double it (5.6 GB a device for a 27B's embedding).
         grad_embedding, _ = jax.lax.scan(
-            embedding_grad, jnp.zeros(embedding.shape, jnp.float32),
+            embedding_grad, jnp.zeros(embedding.shape, embedding.dtype),
             (hidden, weight, *fields[:2]))
-        grad_embedding = grad_embedding.astype(embedding.dtype)
     if grad_update is not None:
         grad_update = grad_update.astype(update.dtype)
     return grad_hidden, grad_embedding, grad_update, tuple(None for _ in fields), None

@@ -282,3 +282,24 @@ def test_time_by_part_names_a_missing_hlo_and_steps(scoped_trace):
     # Ops of another program than the one given are set apart, not misplaced.
     other = ta.time_by_part(xplane, "HloModule other\nENTRY main {\n}\n", steps=STEPS)
     assert list(other["part"]) == ["other programs"]
+
+
+def test_hlo_instructions_read_tuple_shapes_and_name_collectives():
+    dot_meta = 'metadata={op_name="jit(step)/cross_entropy/dot_general"}'
+    reduce_meta = 'metadata={op_name="jit(step)/optimizer/add"}'
+    hlo = "\n".join([
+        "HloModule step",
+        "fused_computation.1 {",
+        "  p0 = f32[4,8]{1,0} parameter(0)",
+        f"  ROOT dot.3 = f32[4,4]{{1,0}} dot(p0, p0), lhs_contracting_dims={{1}}, {dot_meta}",
+        "}",
+        "ENTRY main {",
+        "  p = f32[4,8]{1,0} parameter(0)",
+        "  fusion.1 = f32[4,4]{1,0} fusion(p), kind=kOutput, calls=fused_computation.1",
+        f"  ROOT all-reduce.71 = (f32[4,4]{{1,0}}, f32[]) all-reduce(fusion.1, p), {reduce_meta}",
+        "}"])
+    found = ta._hlo_instructions(hlo)
+    assert found["fusion.1"] == ("jit(step)/cross_entropy/dot_general", "dot")
+    assert found["all-reduce.71"] == ("jit(step)/optimizer/add", "collective")
+    assert ta._part_of(*found["fusion.1"]) == "loss: logits matmuls"
+    assert ta._part_of(*found["all-reduce.71"]).startswith("collectives")
