@@ -70,8 +70,15 @@ def main() -> None:
             times[name].append(time.perf_counter() - started)
     print(f"{args.rows} x {args.maxlen} rows, vocabulary {args.vocab:,}, {args.dtype}, "
           f"{args.rounds} alternating rounds")
+    report(times)
+
+
+def report(times: dict[str, list[float]]) -> None:
+    """Each form's best and median seconds, one line a form (also bench/loss_recompute.py)."""
+    width = max(map(len, times))
     for name, seconds in times.items():
-        print(f"{name:10s} best {min(seconds):.3f} s  median {statistics.median(seconds):.3f} s")
+        print(f"{name:{width}s}  best {min(seconds):.3f} s  median "
+              f"{statistics.median(seconds):.3f} s")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
+import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,6 +28,9 @@ from gemmalab.data import packing
 from gemmalab.model import cross_entropy, mesh
 from gemmalab.train import optimization
 from gemmalab.train.experiment import Experiment
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cross_entropy import report  # noqa: E402  (bench/cross_entropy.py, beside this file)
 
 
 def recomputed_chunks(hidden, embedding, update, fields, ids, softcap, num_segments):
@@ -92,8 +96,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - started)
     print(f"{config.batch_size} x {config.maxlen}, LoRA r{config.lora_rank}, "
           f"{args.rounds} alternating rounds")
-    for name, seconds in times.items():
-        print(f"{name:20s} best {min(seconds):.2f} s  median {statistics.median(seconds):.2f} s")
+    report(times)
 
 
 if __name__ == "__main__":

@@ -206,10 +206,7 @@ def _unit_logit_gradient(h: jax.Array, embedding: jax.Array, update: jax.Array |
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A chunk's masked NLL, and its gradient w.r.t. the (uncapped) logits for a cotangent of
     one at every position, in the logits' dtype: ``(nll, gradient, logits)``."""
-    raw = jnp.einsum("...d,vd->...v", h, embedding)
-    if update is not None:
-        raw = raw.at[..., ids].add(jnp.einsum("...d,kd->...k", h, update))
-    logits = raw if softcap is None else jnp.tanh(raw / softcap) * softcap
+    logits = _chunk_logits(h, embedding, update, ids, softcap)
     nll, (_, _, logsumexp) = _token_nll_forward(logits, t)
     weight = m.astype(jnp.float32)[..., None]
     gradient = (jnp.exp(logits.astype(jnp.float32) - logsumexp[..., None])
