@@ -203,7 +203,7 @@ def run_gemmalab(out: Path, cache_dir: Path, batch: int, maxlen: int, steps: int
 
         def held_out_loss() -> float:
             return optimization.evaluate(evaluate_step, weights.state.params, batches,
-                                         experiment.mesh, weights.frozen)[0]
+                                         experiment.mesh, weights.frozen)["eval_loss"]
 
         train_step = experiment.train_step
         curve = [{"step": 0, "seconds": 0.0, "held_out_loss": held_out_loss()}]

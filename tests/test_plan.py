@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import pytest
 
 from gemmalab import plan
-from gemmalab.config import TrainConfig
+from gemmalab.config import EMBEDDED_PREFERENCES, TrainConfig
 from gemmalab.data import documents, packing, token_cache
 from gemmalab.errors import ConfigError
 from gemmalab.model import lora, mesh, presets, sharding
-from gemmalab.train import optimization
+from gemmalab.train import aot, metrics, optimization
 from gemmalab.train.experiment import Experiment
 
 GIB = plan.GIB
@@ -231,6 +231,107 @@ def test_bad_prices_are_one_line_errors(price, fragment):
         plan.compile_plan(_tiny(), "v6e", price_per_chip_hour=price)
 
 
+# --- DPO: the reference model's forward pass, and full fine-tuning's reference copy ---------
+
+
+def _sft_and_dpo(accelerator, **overrides):
+    config = TrainConfig(**{**dict(model="gemma3-1b", tokenizer="gemma3", batch_size=32,
+                                   maxlen=512, compute_dtype="bfloat16"), **overrides})
+    dpo = dataclasses.replace(config, objective="dpo", data_path=EMBEDDED_PREFERENCES)
+    return plan.estimate(config, accelerator), plan.estimate(dpo, accelerator)
+
+
+def test_dpo_segments_a_row_are_bounded_by_the_shortest_pair():
+    assert [plan.preference_segments_bound(n) for n in (8, 18, 64, 512, 2048)] == [
+        2, 2, 6, 56, 226]
+
+
+@pytest.mark.parametrize("shape", [None, {"fsdp": -1}])
+def test_full_fine_tuning_dpo_holds_a_compute_dtype_reference_copy_cut_like_the_params(shape):
+    accelerator = plan.parse_accelerator("v6e:2x4")
+    sft, dpo = _sft_and_dpo(accelerator, mesh=shape)
+    # The starting weights in bfloat16, sharded like the float32 master params: half their bytes.
+    assert 2 * dpo.breakdown["reference"] == sft.breakdown["params"] == dpo.breakdown["params"]
+    if shape:  # fsdp: an eighth of the model's bfloat16 bytes on each device
+        assert dpo.breakdown["reference"] == pytest.approx(2 * sft.num_params / 8, rel=0.01)
+    same = ("params", "optimizer", "gradients", "logits", "batch", "code")
+    assert {k: dpo.breakdown[k] for k in same} == {k: sft.breakdown[k] for k in same}
+    assert dpo.num_params == sft.num_params and dpo.trainable_params == sft.trainable_params
+    # The reference's forward pass keeps nothing for a backward pass: its final hidden states
+    # and the segments' float32 one-hot of the per-segment losses, a token each.
+    tokens = 32 // 8 * 512
+    assert dpo.breakdown["activations"] - sft.breakdown["activations"] == tokens * (
+        1152 * 2 + plan.preference_segments_bound(512) * 4)
+    # Under fsdp its weights are gathered for its forward pass: the embedding and two blocks
+    # (bfloat16); without fsdp nothing is gathered.
+    copies = dpo.breakdown["weight_copies"] - sft.breakdown["weight_copies"]
+    if shape:
+        layer = presets.parameter_count(plan.abstract_params(
+            presets.model_config("gemma3-1b", plan.GEMMA3_VOCAB), "float32")["layer_0"])
+        assert copies == pytest.approx(2 * (plan.GEMMA3_VOCAB * 1152 + 2 * layer), rel=0.01)
+    else:
+        assert copies == 0
+    assert dpo.per_device_bytes - sft.per_device_bytes == (
+        dpo.breakdown["reference"] + copies + dpo.breakdown["activations"]
+        - sft.breakdown["activations"])
+    document = json.loads(json.dumps(dpo.to_dict()))
+    assert document["objective"] == "dpo" and sft.to_dict()["objective"] == "sft"
+    assert document["breakdown_bytes"]["reference"] == dpo.breakdown["reference"]
+    assert "reference" not in sft.breakdown
+    assert "(DPO)" in dpo.summary_line() and "(" not in sft.summary_line().split(" on ")[0]
+
+
+@pytest.mark.parametrize("shape", [None, {"fsdp": -1}])
+def test_lora_dpo_adds_no_weights_its_reference_is_the_frozen_base(shape):
+    sft, dpo = _sft_and_dpo(plan.parse_accelerator("v6e:2x4"), mesh=shape, lora_rank=8)
+    assert "reference" not in dpo.breakdown
+    for part in ("params", "optimizer", "gradients", "weight_copies", "logits", "batch"):
+        assert dpo.breakdown[part] == sft.breakdown[part], part
+    assert 0 < dpo.per_device_bytes - sft.per_device_bytes == (
+        dpo.breakdown["activations"] - sft.breakdown["activations"])
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_dpo_adds_a_forward_pass_of_flops_and_of_hbm_traffic(lora_rank):
+    """The reference's forward pass: 2 FLOPs per base weight and token (SFT's 6, LoRA's 4, each
+    adapter weight's 6 unchanged) and attention's forward products, 4 of the 12 training's."""
+    accelerator = plan.parse_accelerator("v6e:2x4")
+    sft, dpo = _sft_and_dpo(accelerator, lora_rank=lora_rank)
+    model_config = presets.model_config("gemma3-1b", plan.GEMMA3_VOCAB)
+    adapters = sft.trainable_params if lora_rank else 0
+    base = sft.num_params - adapters
+    tokens = 32 * 512
+    attention_forward = 4 * 26 * 4 * 256 * 512  # layers x heads x head_dim x positions
+    assert (model_config.num_layers, model_config.num_heads, model_config.head_dim) == (26, 4,
+                                                                                         256)
+    assert dpo.flops_per_step - sft.flops_per_step == tokens * (2 * base + attention_forward)
+    if lora_rank:  # 6/4, less the adapters' (6 either way) and attention's (16/12) shares
+        assert dpo.flops_per_step / sft.flops_per_step == pytest.approx(6 / 4, abs=0.015)
+    else:  # 8/6 exactly: attention's 16 per 12 is the same ratio
+        assert dpo.flops_per_step / sft.flops_per_step == pytest.approx(8 / 6, rel=1e-12)
+    # MFU is measured against the same figure.
+    accounting = metrics.FlopAccounting.of_run(
+        dpo_config := dataclasses.replace(TrainConfig(model="gemma3-1b", tokenizer="gemma3",
+                                                      batch_size=32, maxlen=512,
+                                                      lora_rank=lora_rank),
+                                          objective="dpo", data_path=EMBEDDED_PREFERENCES),
+        model_config, num_params=dpo.num_params, adapters=adapters, devices=accelerator)
+    assert dpo_config.objective == "dpo"
+    assert accounting.model_flops_per_step == dpo.flops_per_step
+    # HBM: the policy's traffic unchanged, the reference's forward pass beside it; at least its
+    # bfloat16 weights read once (each device holds all of them: data parallelism).
+    assert {k: v for k, v in dpo.traffic.items() if k != "reference"} == sft.traffic
+    assert dpo.traffic["reference"] > 2 * base
+    assert dpo.bytes_per_device == sft.bytes_per_device + dpo.traffic["reference"]
+    # The roofline grows by both.
+    assert dpo.roofline.compute_seconds / sft.roofline.compute_seconds == pytest.approx(
+        dpo.flops_per_step / sft.flops_per_step, rel=1e-12)
+    assert dpo.roofline.memory_seconds / sft.roofline.memory_seconds == pytest.approx(
+        dpo.bytes_per_device / sft.bytes_per_device, rel=1e-12)
+    assert dpo.roofline.step_seconds > sft.roofline.step_seconds
+    assert "reference" in json.loads(json.dumps(dpo.to_dict()))["traffic_gib"]
+
+
 # --- the refusal --------------------------------------------------------------------------
 
 
@@ -364,6 +465,31 @@ def test_the_exact_plan_needs_a_tpu_target_and_libtpu(monkeypatch):
     monkeypatch.setattr(plan, "find_libtpu", lambda: None)
     with pytest.raises(ConfigError, match=r"^exact: libtpu .* Fix: run `make libtpu`"):
         plan.compile_plan(_tiny(), "v6e")
+
+
+@pytest.mark.slow
+def test_the_ahead_of_time_dpo_step_takes_the_planned_reference(monkeypatch):
+    """``aot.compile_step``'s DPO step, compiled for this machine's 8 CPU devices in place of a
+    TPU topology (no libtpu needed): its arguments are the plan's state, batch and reference
+    copy (full fine-tuning, fsdp), or the state and the frozen base alone (LoRA), exactly, but
+    for the step counters; XLA counts about 8/6 the SFT step's FLOPs for full fine-tuning."""
+    from jax.experimental import topologies
+
+    monkeypatch.setattr(topologies, "get_topology_desc",
+                        lambda **kwargs: namedtuple("topology", "devices")(jax.devices()))
+    accelerator = plan.parse_accelerator("v6e:2x4")
+    for overrides in ({"mesh": {"fsdp": -1}}, {"lora_rank": 4}):
+        config = _tiny(batch_size=8, maxlen=32, compute_dtype="bfloat16", objective="dpo",
+                       data_path=EMBEDDED_PREFERENCES, **overrides)
+        estimate = plan.estimate(config, accelerator).breakdown
+        compiled = aot.compile_step(config, accelerator)
+        held = estimate["params"] + estimate.get("reference", 0) + estimate["optimizer"]
+        assert compiled["breakdown"]["arguments"] - held - estimate["batch"] in range(0, 64)
+        assert ("reference" in estimate) == (not config.lora_rank)
+        if not config.lora_rank:
+            sft = aot.compile_step(dataclasses.replace(config, objective="sft", data_path=""),
+                                   accelerator)
+            assert compiled["flops"] / sft["flops"] == pytest.approx(8 / 6, rel=0.1)
 
 
 def test_the_planned_batch_counts_every_batch_field():

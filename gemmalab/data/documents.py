@@ -17,16 +17,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gemmalab import storage
-from gemmalab.config import EMBEDDED_INSTRUCTIONS
+from gemmalab.config import EMBEDDED_INSTRUCTIONS, EMBEDDED_PREFERENCES
 from gemmalab.data import records
-from gemmalab.data.chat import Conversation
+from gemmalab.data.chat import Conversation, PreferencePair
 from gemmalab.data.corpus import SEPARATOR
 from gemmalab.errors import ConfigError
 
 READ_CHUNK_BYTES = 8 << 20
 SEPARATOR_SCAN_BYTES = 64 << 20
 
-TEXT, CHAT = "text", "chat"  # Corpus.format
+# Corpus.format. A PREFERENCES corpus is cached as two chat documents per pair (chosen, then
+# rejected) that are always packed into one row together.
+TEXT, CHAT, PREFERENCES = "text", "chat", "preferences"
+CONVERSATIONAL = (CHAT, PREFERENCES)  # formats in Gemma's chat template
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,13 +39,19 @@ class Corpus:
     path: str
     fingerprint: str
     embedded: bool
-    format: str = TEXT  # TEXT: <|endoftext|>-separated stories; CHAT: JSONL conversations
+    # TEXT: <|endoftext|>-separated stories; CHAT: JSONL conversations; PREFERENCES: JSONL pairs
+    format: str = TEXT
     bad_records: int = 0  # JSONL records skipped (skip_bad_records)
+
+    @property
+    def conversational(self) -> bool:
+        return self.format in CONVERSATIONAL
 
 
 def resolve_corpus(data_path: str, *, cache_dir: Path, embedded_stories: int, seed: int,
-                   skip_bad_records: bool = False) -> Corpus:
-    """Validate ``data_path`` (or generate an embedded data set) before any expensive work."""
+                   skip_bad_records: bool = False, preferences: bool = False) -> Corpus:
+    """Validate ``data_path`` (or generate an embedded data set) before any expensive work.
+    ``preferences`` (objective "dpo"): a JSONL file must hold preference pairs."""
     from gemmalab.data import corpus
 
     if not data_path:
@@ -52,11 +61,22 @@ def resolve_corpus(data_path: str, *, cache_dir: Path, embedded_stories: int, se
         path = str(corpus.embedded_instructions_path(cache_dir / "corpus", embedded_stories,
                                                      seed=seed))
         return Corpus(path, _fingerprint(path), embedded=True, format=CHAT)
+    if data_path == EMBEDDED_PREFERENCES:
+        from gemmalab.data.preference_corpus import embedded_preferences_path
+
+        path = str(embedded_preferences_path(cache_dir / "corpus", embedded_stories, seed=seed))
+        return Corpus(path, _fingerprint(path), embedded=True, format=PREFERENCES)
     _require_data_file(data_path)
     if records.is_jsonl(data_path):
-        counts = records.validate(data_path, skip_bad_records=skip_bad_records)
-        return Corpus(data_path, _fingerprint(data_path), embedded=False, format=CHAT,
+        counts = records.validate(data_path, skip_bad_records=skip_bad_records,
+                                  preferences=preferences)
+        return Corpus(data_path, _fingerprint(data_path), embedded=False,
+                      format=PREFERENCES if preferences else CHAT,
                       bad_records=counts.bad_records)
+    if preferences:
+        raise ConfigError("data_path", f"{data_path} is not a JSONL file of preference pairs",
+                          'write one {"prompt": ..., "chosen": ..., "rejected": ...} object per '
+                          "line to a .jsonl file")
     validate_data_file(data_path)
     return Corpus(data_path, _fingerprint(data_path), embedded=False)
 
@@ -171,25 +191,39 @@ class SplitRule:
                 n_train += 1
 
 
-def iter_documents(path: str) -> Iterator[str] | Iterator[Conversation]:
-    """Stories of a text file, or the good conversations of a JSONL file."""
+def iter_documents(path: str, format: str = TEXT
+                   ) -> Iterator[str] | Iterator[Conversation] | Iterator[PreferencePair]:
+    """Stories of a text file, the good conversations of a JSONL file, or its good preference
+    pairs (``format`` PREFERENCES)."""
+    if format == PREFERENCES:
+        return records.iter_pairs(path)
     return records.iter_conversations(path) if records.is_jsonl(path) else iter_stories(path)
 
 
-def training_stories(path: str, rule: SplitRule, datacount: int | None) -> Iterator[str]:
+def training_stories(path: str, rule: SplitRule, datacount: int | None, format: str = TEXT
+                     ) -> Iterator[str]:
     """All train-split documents (every shard) as text: what a local tokenizer is trained on
-    (conversations in their chat template, whose turn markers it keeps whole)."""
+    (conversations in their chat template, whose turn markers it keeps whole; both sides of a
+    preference pair)."""
     from gemmalab.data.chat import format_text
 
     whole = dataclasses.replace(rule, process_index=0, process_count=1)
-    labelled = whole.label_stories(iter_documents(path), datacount)
-    return (doc if isinstance(doc, str) else format_text(doc)
-            for label, doc in labelled if label == "train")
+    labelled = whole.label_stories(iter_documents(path, format), datacount)
+    for label, doc in labelled:
+        if label != "train":
+            continue
+        if isinstance(doc, PreferencePair):
+            yield format_text(doc.chosen)
+            yield format_text(doc.rejected)
+        else:
+            yield doc if isinstance(doc, str) else format_text(doc)
 
 
-def heldout_conversations(path: str, rule: SplitRule, datacount: int | None
-                          ) -> Iterator[Conversation]:
-    """The eval split's conversations (with their facts), as the token cache holds them."""
+def heldout_conversations(path: str, rule: SplitRule, datacount: int | None,
+                          format: str = CHAT) -> Iterator[Conversation]:
+    """The eval split's conversations (with their facts), as the token cache holds them (of
+    preference pairs: the chosen sides)."""
     whole = dataclasses.replace(rule, process_index=0, process_count=1)
-    labelled = whole.label_stories(records.iter_conversations(path), datacount)
-    return (doc for label, doc in labelled if label == "eval")
+    labelled = whole.label_stories(iter_documents(path, format), datacount)
+    return (doc.chosen if isinstance(doc, PreferencePair) else doc
+            for label, doc in labelled if label == "eval")

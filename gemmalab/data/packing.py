@@ -201,7 +201,7 @@ class BatchStream:
             raise ValueError("no windows to make rows of")
         self.windows, self.rows_per_batch, self.allocate = windows, rows_per_batch, allocate
         self.packing, self.seed, self.batch_step = packing, seed, batch_step
-        self.lengths = (windows.end - windows.start - 1).astype(np.int64)
+        self.lengths = windows.unit_lengths.astype(np.int64)
         self._plans: dict[int, RowPlan] = {}
         self.epoch = self.row = 0
         self._take(first_batch * rows_per_batch)
@@ -241,7 +241,8 @@ class BatchStream:
                                (np.concatenate([p[0] for p in pieces]),
                                 np.concatenate([p[1] for p in pieces])))
         self._take((self.batch_step - 1) * self.rows_per_batch)  # other workers' batches
-        return assemble_rows(self.windows, per_row, window_ids, self.allocate)
+        return assemble_rows(self.windows, *self.windows.expand(per_row, window_ids),
+                             self.allocate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,12 +252,20 @@ class BatchStream:
 
 class WindowSource:
     """Random access to next-token windows: document ``d`` of length ``n`` gives
-    ``ceil((n - 1) / maxlen)`` windows of at most ``maxlen`` (input, target) pairs."""
+    ``ceil((n - 1) / maxlen)`` windows of at most ``maxlen`` (input, target) pairs.
+
+    The packer places units: a window, or for preference data (``split.group`` 2) a pair's two
+    windows, chosen then rejected, which always share a row as consecutive segments. A pair is
+    never cut: one whose two sides exceed ``maxlen`` together is refused here, naming the
+    ``maxlen`` that fits.
+    """
 
     def __init__(self, split: TokenizedSplit, maxlen: int):
-        self.split, self.maxlen = split, maxlen
+        self.split, self.maxlen, self.group = split, maxlen, split.group
         pairs = np.maximum(split.lengths - 1, 0)
         windows = -(-pairs // maxlen)
+        if self.group > 1:
+            _require_whole_units(pairs, self.group, maxlen)
         self.doc = np.repeat(np.arange(split.num_docs), windows)
         first_window = np.repeat(np.cumsum(windows) - windows, windows)
         self.start = split.offsets[self.doc] + (np.arange(len(self.doc)) - first_window) * maxlen
@@ -283,6 +292,24 @@ class WindowSource:
         return self.end - self.start - 1
 
     @property
+    def num_units(self) -> int:
+        """What the packer places: windows, or preference pairs."""
+        return len(self) // self.group
+
+    @property
+    def unit_lengths(self) -> np.ndarray:
+        """Next-token pairs per unit (a pair's: both sides' together)."""
+        lengths = self.lengths
+        return lengths if self.group == 1 else lengths.reshape(-1, self.group).sum(axis=1)
+
+    def expand(self, per_row: np.ndarray, unit_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A plan's rows of units as rows of windows: ``(windows per row, window ids)``."""
+        if self.group == 1:
+            return per_row, unit_ids
+        ids = unit_ids[:, None] * self.group + np.arange(self.group)
+        return per_row * self.group, ids.reshape(-1)
+
+    @property
     def num_targets(self) -> int:
         return int(np.sum(self.lengths))
 
@@ -291,6 +318,22 @@ class WindowSource:
         """Targets that bear loss (``num_targets`` but the prompts' for chat data)."""
         mask = self.split.loss_mask  # 0 at each document's BOS, which is never a target
         return self.num_targets if mask is None else int(np.sum(mask, dtype=np.int64))
+
+
+def _require_whole_units(pairs: np.ndarray, group: int, maxlen: int) -> None:
+    """Each unit of ``group`` documents (``pairs``: next-token pairs of each) fits one row."""
+    from gemmalab.errors import ConfigError
+
+    if len(pairs) % group:
+        raise ValueError(f"{len(pairs)} documents do not make units of {group}")
+    totals = pairs.reshape(-1, group).sum(axis=1)
+    too_long = int(np.sum(totals > maxlen))
+    if too_long:
+        raise ConfigError("maxlen", f"{too_long} of {len(totals)} preference pairs take more "
+                          f"than {maxlen} tokens with both replies (the longest "
+                          f"{int(totals.max())}); a pair is never cut, and both replies share "
+                          "one row", f"raise maxlen to {int(totals.max())} or more, or "
+                          "shorten those records")
 
 
 # Windows whose lengths estimate how full packed rows get: the training packer plans a million
@@ -304,7 +347,7 @@ def packed_fill(windows: WindowSource, *, seed: int = 0) -> float:
     How many rows a plan has depends only on the lengths, so every epoch fills the same:
     ~0.97 for stories at maxlen 256, but ~0.65 for 155-token conversations, of which two
     rarely fit one row."""
-    lengths = windows.lengths.astype(np.int64)
+    lengths = windows.unit_lengths.astype(np.int64)
     if len(lengths) == 0:
         return 1.0
     if len(lengths) > FILL_SAMPLE:
@@ -340,8 +383,8 @@ def eval_batches(split: TokenizedSplit, *, maxlen: int, batch_size: int, packing
     windows = WindowSource(split, maxlen)
     if len(windows) == 0:
         return []
-    plan = plan_rows(windows.lengths, maxlen, packing=packing)
-    stacked = assemble_rows(windows, *plan.rows(0, plan.num_rows))
+    plan = plan_rows(windows.unit_lengths, maxlen, packing=packing)
+    stacked = assemble_rows(windows, *windows.expand(*plan.rows(0, plan.num_rows)))
     total = -(-plan.num_rows // batch_size) * batch_size
     padded = {k: np.pad(v, ((0, total - len(v)), (0, 0))) for k, v in stacked.items()}
     per_process = batch_size // process_count

@@ -14,7 +14,7 @@ import numpy as np
 from gemmalab.config import TrainConfig
 from gemmalab.data import documents, grain_batches, packing, token_cache
 from gemmalab.data import tokenizer as tokenizers
-from gemmalab.data.documents import CHAT, Corpus, SplitRule
+from gemmalab.data.documents import PREFERENCES, Corpus, SplitRule
 from gemmalab.data.packing import WindowSource
 from gemmalab.data.token_cache import TokenCache
 from gemmalab.errors import ConfigError
@@ -41,7 +41,8 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     cache_dir = config.resolved_cache_dir
     corpus = documents.resolve_corpus(config.data_path, cache_dir=cache_dir,
                                       embedded_stories=config.embedded_stories, seed=config.seed,
-                                      skip_bad_records=config.skip_bad_records)
+                                      skip_bad_records=config.skip_bad_records,
+                                      preferences=config.objective == "dpo")
     rule = SplitRule(config.eval_fraction, config.max_eval_stories,
                      jax.process_index(), jax.process_count())
     tokenizer, info = _load_tokenizer_everywhere(config, corpus, rule)
@@ -61,7 +62,7 @@ def _load_tokenizer_everywhere(config: TrainConfig, corpus: Corpus, rule: SplitR
                                ) -> tuple[Any, Any]:
     """Load (or train, on process 0 only, then share) the tokenizer."""
     def load(stories_allowed: bool):
-        stories = (documents.training_stories(corpus.path, rule, config.datacount)
+        stories = (documents.training_stories(corpus.path, rule, config.datacount, corpus.format)
                    if stories_allowed else None)
         return tokenizers.load_tokenizer(
             config.tokenizer, cache_dir=config.resolved_cache_dir, training_stories=stories,
@@ -95,6 +96,9 @@ class TrainingData:
     steps_per_epoch: int
     total_steps: int
     stats: dict[str, Any]
+    # The most segments a row can hold, for preference data (each pair is two): the bound the
+    # per-segment loss is compiled for. 0 for other data.
+    max_segments: int = 0
 
 
 def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
@@ -103,7 +107,7 @@ def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
     windows = WindowSource(cache.train, config.maxlen)
     fill = packing.packed_fill(windows, seed=config.seed) if config.packing else 1.0
     # Every process must count the same steps: totals and the mean fill of all shards.
-    local = np.asarray([windows.num_targets, len(windows), round(fill * 1e6)], np.int64)
+    local = np.asarray([windows.num_targets, windows.num_units, round(fill * 1e6)], np.int64)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -123,20 +127,36 @@ def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
     stats = {"tokenizer": prepared.tokenizer_info.name,
              **data_stats(prepared.corpus, cache, windows), "packed_fill": round(fill, 4)}
     return TrainingData(train_iterator=iterator, eval_batches=evals, steps_per_epoch=per_epoch,
-                        total_steps=total_steps, stats=stats)
+                        total_steps=total_steps, stats=stats,
+                        max_segments=_max_segments(windows, cache, config.maxlen))
+
+
+def _max_segments(windows: WindowSource, cache: TokenCache, maxlen: int) -> int:
+    """For preference data, the most segments any row of any process can hold: two per pair,
+    as many pairs as the shortest pair (train or eval, of all processes) fits in ``maxlen``."""
+    if windows.group == 1:
+        return 0
+    lengths = [windows.unit_lengths, WindowSource(cache.eval, maxlen).unit_lengths]
+    shortest = np.asarray([min(int(x.min()) for x in lengths if len(x))], np.int64)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        shortest = np.asarray(multihost_utils.process_allgather(shortest)).min(keepdims=True)
+    return windows.group * (maxlen // int(shortest[0]))
 
 
 def data_stats(corpus_: Corpus, cache: TokenCache, windows: WindowSource) -> dict[str, Any]:
     """What a run trains on (``summary.json``'s "data"): cache counts, windows, and for chat
     data the loss-bearing targets, conversations split over ``maxlen`` and bad records skipped.
     """
-    chat = corpus_.format == CHAT
+    chat = corpus_.conversational
     stats = {**cache.meta, "train_windows": len(windows),
              "train_target_tokens": windows.num_targets}
     if chat:
         stats["train_loss_target_tokens"] = windows.num_loss_targets
-    split_key = "conversations_split_over_maxlen" if chat else "stories_split_over_maxlen"
-    stats[split_key] = windows.num_split_docs
+    if corpus_.format != PREFERENCES:  # pairs are never split (WindowSource refuses them)
+        split_key = "conversations_split_over_maxlen" if chat else "stories_split_over_maxlen"
+        stats[split_key] = windows.num_split_docs
     stats.update({"corpus_path": corpus_.path, "embedded_corpus": corpus_.embedded})
     if chat:
         stats["bad_records_skipped"] = corpus_.bad_records

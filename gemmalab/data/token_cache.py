@@ -1,7 +1,8 @@
 """The token cache: each split tokenized once as BOS + ids + EOS in worker processes, on disk.
 
 Chat data is cached with a per-token loss mask beside its tokens (only the model's turns bear
-loss unless ``train_on_prompt``).
+loss unless ``train_on_prompt``). A preference pair is cached as two chat documents in a row,
+chosen then rejected (``TokenizedSplit.group`` 2): the packer keeps them in one row.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from gemmalab.data.documents import CHAT, Corpus, SplitRule, iter_documents
+from gemmalab.data.documents import PREFERENCES, Corpus, SplitRule, iter_documents
 from gemmalab.data.tokenizer import (
     TokenizerInfo,
     encode_conversations,
+    encode_pairs,
     encode_stories,
     init_encoder,
 )
@@ -49,6 +51,9 @@ class TokenizedSplit:
     offsets: np.ndarray  # int64 [num_docs + 1]
     response_mask: np.ndarray | None = None  # None: every target bears loss (stories)
     train_on_prompt: bool = False  # chat: every target bears loss, the prompt's too
+    # Consecutive documents that form one unit, packed into one row together: 2 for preference
+    # pairs (document 2k chosen, 2k + 1 rejected), else 1.
+    group: int = 1
 
     @property
     def loss_mask(self) -> np.ndarray | None:
@@ -69,7 +74,8 @@ class TokenizedSplit:
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled for grain's worker processes: they reopen the cache files, not receive copies.
         return (_reopened_split, (_file_or_array(self.tokens), self.offsets,
-                                  _file_or_array(self.response_mask), self.train_on_prompt))
+                                  _file_or_array(self.response_mask), self.train_on_prompt,
+                                  self.group))
 
 
 def _file_or_array(array: np.ndarray | None) -> Any:
@@ -78,12 +84,12 @@ def _file_or_array(array: np.ndarray | None) -> Any:
     return array
 
 
-def _reopened_split(tokens: Any, offsets: np.ndarray, mask: Any, train_on_prompt: bool
-                    ) -> TokenizedSplit:
+def _reopened_split(tokens: Any, offsets: np.ndarray, mask: Any, train_on_prompt: bool,
+                    group: int = 1) -> TokenizedSplit:
     def opened(array: Any) -> Any:
         return np.memmap(array[0], dtype=array[1], mode="r") if isinstance(array, tuple) else array
 
-    return TokenizedSplit(opened(tokens), offsets, opened(mask), train_on_prompt)
+    return TokenizedSplit(opened(tokens), offsets, opened(mask), train_on_prompt, group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,11 +121,13 @@ def load_or_build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule
     if datacount is not None and meta["stories_read"] < datacount:
         warnings.warn(f"datacount={datacount} but {corpus_.path} has only "
                       f"{meta['stories_read']} stories: using all of them", stacklevel=2)
-    return TokenCache(train=_open_split(directory, "train", train_on_prompt),
-                      eval=_open_split(directory, "eval", train_on_prompt), meta=meta)
+    group = 2 if meta.get("data_format") == PREFERENCES else 1
+    return TokenCache(train=_open_split(directory, "train", train_on_prompt, group),
+                      eval=_open_split(directory, "eval", train_on_prompt, group), meta=meta)
 
 
-def _open_split(directory: Path, name: str, train_on_prompt: bool) -> TokenizedSplit:
+def _open_split(directory: Path, name: str, train_on_prompt: bool, group: int = 1
+                ) -> TokenizedSplit:
     offsets = np.load(directory / f"{name}_offsets.npy")
 
     def mapped(suffix: str, dtype: Any) -> np.ndarray:
@@ -128,7 +136,7 @@ def _open_split(directory: Path, name: str, train_on_prompt: bool) -> TokenizedS
 
     mask = mapped("mask", np.uint8) if (directory / f"{name}_mask.bin").exists() else None
     return TokenizedSplit(tokens=mapped("tokens", np.int32), offsets=offsets,
-                          response_mask=mask, train_on_prompt=train_on_prompt)
+                          response_mask=mask, train_on_prompt=train_on_prompt, group=group)
 
 
 class _SplitWriter:
@@ -143,7 +151,11 @@ class _SplitWriter:
         self.offsets = [0]
         self.loss_targets = 0
 
-    def add(self, encoded: np.ndarray | tuple[np.ndarray, np.ndarray]) -> None:
+    def add(self, encoded: np.ndarray | tuple[np.ndarray, np.ndarray] | list) -> None:
+        if isinstance(encoded, list):  # a preference pair's two documents, chosen first
+            for document in encoded:
+                self.add(document)
+            return
         ids, mask = encoded if isinstance(encoded, tuple) else (encoded, None)
         ids.tofile(self.file)
         if self.mask_file is not None:
@@ -168,17 +180,20 @@ def _build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule: Split
     tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    chat = corpus_.format == CHAT
+    chat = corpus_.conversational
     writers = {name: _SplitWriter(tmp, name, with_mask=chat) for name in ("train", "eval")}
-    counter = _CountingIterator(iter_documents(corpus_.path))
+    counter = _CountingIterator(iter_documents(corpus_.path, corpus_.format))
     labelled = rule.label_stories(counter, datacount)
-    encode = encode_conversations if chat else encode_stories
+    encode = {PREFERENCES: encode_pairs}.get(
+        corpus_.format, encode_conversations if chat else encode_stories)
     for label, encoded in _tokenize_in_order(labelled, tokenizer.model_proto, workers, encode):
         writers[label].add(encoded)
     meta = {**writers["train"].close(), **writers["eval"].close(), "stories_read": counter.count,
             "corpus_path": corpus_.path, "tokenizer": tokenizer.name, "key": key_fields}
     if chat:
-        meta["data_format"] = CHAT
+        meta["data_format"] = corpus_.format
+    if corpus_.format == PREFERENCES:
+        meta.update(train_pairs=meta["train_docs"] // 2, eval_pairs=meta["eval_docs"] // 2)
     if meta["train_docs"] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError("datacount" if datacount else "data_path",

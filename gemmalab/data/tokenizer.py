@@ -110,6 +110,12 @@ def encode_conversations(conversations: list[Any]) -> list[tuple[np.ndarray, np.
     return [chat.encode(_worker_processor, conversation) for conversation in conversations]
 
 
+def encode_pairs(pairs: list[Any]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Each ``chat.PreferencePair`` as two ``(ids, loss_mask)`` documents, chosen then
+    rejected: the same prompt tokens, the loss on each reply (needs ``init_encoder`` first)."""
+    return [encode_conversations([pair.chosen, pair.rejected]) for pair in pairs]
+
+
 def piece_ids(info: TokenizerInfo, pieces: Iterable[str]) -> list[int | None]:
     """Each piece's id in the vocabulary, None where it is not a single piece."""
     import sentencepiece as spm

@@ -76,6 +76,36 @@ def base_params(run: Run, checkpoint: str = "run") -> Contender:
     return Contender(f"base ({resolved.name})", params)
 
 
+def lineage(run: Run, base_checkpoint: str = "run") -> list[Contender]:
+    """The contenders a notebook compares: the base and the run (``base_params``,
+    ``finetuned_params``); and when the run continues earlier runs (its ``checkpoint`` is
+    another run's ``output_dir/params``, e.g. DPO after SFT), every stage: the first run's base,
+    then each run in order, named by its objective (base vs SFT vs DPO)."""
+    chain = [(run.output_dir, run.config)]
+    while (parent := _parent_run(chain[-1][1].checkpoint)) is not None and len(chain) < 8:
+        chain.append(parent)
+    if base_checkpoint != "run" or len(chain) == 1:
+        return [base_params(run, base_checkpoint), finetuned_params(run)]
+    first = chain[-1][1]
+    stages = [base_params(run, first.checkpoint)]
+    for output_dir, config in reversed(chain):
+        stages.append(Contender(f"{config.objective.upper()} ({output_dir})",
+                                orbax_params.load_params(f"{output_dir}/params")))
+    return stages
+
+
+def _parent_run(checkpoint: str) -> tuple[str, TrainConfig] | None:
+    """``(output_dir, config)`` of the run whose ``params`` ``checkpoint`` names, else None."""
+    path = checkpoint.rstrip("/")
+    if not path.endswith("/params"):
+        return None
+    output_dir = path.removesuffix("/params")
+    path = f"{output_dir}/summary.json"
+    if not storage.exists(path):
+        return None
+    return output_dir, TrainConfig.from_dict(json.loads(storage.read_bytes(path))["params"])
+
+
 def samples_table(run: Run, contenders: list[Contender], prompts: list[str], *,
                   max_new_tokens: int, temperature: float, top_p: float, seed: int,
                   chat: bool = False) -> reports.SamplesView:
@@ -135,10 +165,11 @@ class TaskResult:
 
 def task_instructions(run: Run, count: int) -> list[Conversation]:
     """The first ``count`` held-out conversations that name facts ([] for story runs)."""
-    if run.data.corpus.format != documents.CHAT:
+    if not run.data.corpus.conversational:
         return []
     rule = documents.SplitRule(run.config.eval_fraction, run.config.max_eval_stories)
-    held_out = documents.heldout_conversations(run.data.corpus.path, rule, run.config.datacount)
+    held_out = documents.heldout_conversations(run.data.corpus.path, rule, run.config.datacount,
+                                               run.data.corpus.format)
     return list(itertools.islice((c for c in held_out if c.facts), count))
 
 
@@ -196,8 +227,9 @@ def perplexity_table(run: Run, contenders: list[Contender]) -> Any:
     rows = []
     for contender in contenders:
         params = jax.device_put(contender.params, shardings)
-        loss, perplexity = optimization.evaluate(step, params, batches, device_mesh)
-        rows.append({"model": contender.name, "eval loss": loss, "perplexity": perplexity})
+        held_out = optimization.evaluate(step, params, batches, device_mesh)
+        rows.append({"model": contender.name, "eval loss": held_out["eval_loss"],
+                     "perplexity": held_out["eval_perplexity"]})
     return pd.DataFrame(rows).set_index("model")
 
 

@@ -53,7 +53,7 @@ def capture(experiment: Any, *, logdir: str, warmup_steps: int = 3,
     first_step_s = 0.0
     for i in range(max(warmup_steps, 1)):
         state, metrics = experiment.train_step(state, experiment.next_batch(),
-                                               experiment.weights.frozen)
+                                               experiment.weights.held)
         jax.block_until_ready(metrics)
         if i == 0:
             first_step_s = time.perf_counter() - started
@@ -65,7 +65,7 @@ def capture(experiment: Any, *, logdir: str, warmup_steps: int = 3,
                 t0 = time.perf_counter()
                 batch = experiment.next_batch()
                 t1 = time.perf_counter()
-                state, metrics = experiment.train_step(state, batch, experiment.weights.frozen)
+                state, metrics = experiment.train_step(state, batch, experiment.weights.held)
                 jax.block_until_ready(metrics)
                 t2 = time.perf_counter()
             steps.append({"step": i, "data_wait_s": t1 - t0, "step_s": t2 - t1,

@@ -14,7 +14,9 @@ SAMPLES_METADATA_KEY = "gemmalab/samples"
 
 SUMMARY_ROWS = (
     "steps", "initial_train_loss", "final_train_loss", "initial_eval_loss", "final_eval_loss",
-    "initial_eval_perplexity", "final_eval_perplexity", "tokens_per_s", "useful_tokens_per_s",
+    "initial_eval_perplexity", "final_eval_perplexity",
+    "initial_eval_reward_accuracy", "final_eval_reward_accuracy", "final_eval_reward_margin",
+    "final_eval_kl_estimate", "tokens_per_s", "useful_tokens_per_s",
     "useful_token_share", "mean_step_time_s", "data_wait_share", "first_step_seconds",
     "train_seconds", "model_flops_per_s", "mfu", "cpu_mfu", "host_matmul_flops_per_s",
     "num_params", "peak_host_memory_gb", "devices", "mesh",
@@ -81,19 +83,49 @@ def samples_table(before: Continuation, after: Continuation) -> SamplesView:
 
 
 def loss_figure(history: list[dict[str, Any]], eval_history: list[dict[str, Any]]) -> Any:
-    """Train loss per step and eval loss at each evaluation, on one axis."""
+    """Train loss per step and eval loss at each evaluation, on one axis. A DPO run (its rows
+    carry ``reward_accuracy``) gets three more panels: reward accuracy, the chosen and rejected
+    replies' log-probabilities with the reward margin, and the KL estimate to the reference."""
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 3.5))
-    axis.plot([r["step"] for r in history], [r["loss"] for r in history], label="train", lw=1)
-    axis.plot([r["step"] for r in eval_history], [r["eval_loss"] for r in eval_history], "o-",
-              label="eval")
-    axis.set_xlabel("step")
-    axis.set_ylabel("cross-entropy (nats/token)")
-    axis.grid(alpha=0.3)
-    axis.legend()
+    preference = bool(history) and "reward_accuracy" in history[0]
+    panels = 4 if preference else 1
+    figure, axes = plt.subplots(1, panels, figsize=(7 if panels == 1 else 15, 3.5),
+                                squeeze=False)
+    axis = axes[0][0]
+    steps = [r["step"] for r in history]
+    eval_steps = [r["step"] for r in eval_history]
+    axis.plot(steps, [r["loss"] for r in history], label="train", lw=1)
+    axis.plot(eval_steps, [r["eval_loss"] for r in eval_history], "o-", label="eval")
+    axis.set_ylabel("DPO loss (per pair)" if preference else "cross-entropy (nats/token)")
+    if preference:
+        _curves(axes[0][1], history, eval_history, ["reward_accuracy"], "reward accuracy")
+        _curves(axes[0][2], history, eval_history, ["chosen_logp", "rejected_logp"],
+                "reply log-probability")
+        margin = axes[0][2].twinx()
+        margin.plot(eval_steps, [r.get("eval_reward_margin") for r in eval_history], "k--",
+                    lw=1, label="eval reward margin")
+        margin.set_ylabel("reward margin")
+        _curves(axes[0][3], history, eval_history, ["kl_estimate"],
+                "KL estimate to the reference (per token)")
+    for axis in axes[0]:
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
     figure.tight_layout()
     return figure
+
+
+def _curves(axis: Any, history: list[dict[str, Any]], eval_history: list[dict[str, Any]],
+            names: list[str], label: str) -> None:
+    """Each metric's train curve and its eval points on ``axis``."""
+    for name in names:
+        line, = axis.plot([r["step"] for r in history], [r[name] for r in history], lw=1,
+                          label=f"train {name}")
+        axis.plot([r["step"] for r in eval_history],
+                  [r.get(f"eval_{name}") for r in eval_history], "o-", color=line.get_color(),
+                  alpha=0.6, label=f"eval {name}")
+    axis.set_ylabel(label)
 
 
 def plan_table(memory_plan: MemoryPlan) -> Any:

@@ -34,6 +34,7 @@ class PairSums(NamedTuple):
     rejected_logp: jax.Array
     log_ratio: jax.Array  # policy - reference log-probability, summed over both responses' tokens
     response_tokens: jax.Array  # loss-bearing tokens of both responses (log_ratio's denominator)
+    chosen_tokens: jax.Array  # the chosen responses' (their per-token perplexity's denominator)
 
 
 def as_pairs(segment_values: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -74,7 +75,7 @@ def dpo_sums(policy_logps: jax.Array, reference_logps: jax.Array, token_counts: 
         chosen_logp=total(policy_chosen), rejected_logp=total(policy_rejected),
         log_ratio=total((policy_chosen - reference_chosen) + (policy_rejected
                                                                 - reference_rejected)),
-        response_tokens=total(chosen_tokens + rejected_tokens))
+        response_tokens=total(chosen_tokens + rejected_tokens), chosen_tokens=total(chosen_tokens))
 
 
 def pair_means(sums: PairSums) -> dict[str, jax.Array]:

@@ -19,13 +19,19 @@ from gemmalab.plan import (
     abstract_params,
     adapter_params,
     parse_accelerator,
+    preference_segments_bound,
     vocab_size_hint,
 )
 
 
 def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any]:
     """Lower and compile the train step for the topology's devices: XLA's memory breakdown, its
-    FLOP count, one device's bytes accessed and the seconds it took."""
+    FLOP count, one device's bytes accessed and the seconds it took.
+
+    ``config.objective == "dpo"``: the step with DPO's reference forward pass, the base model
+    (no adapters) on the step's third argument: LoRA's frozen base, or in full fine-tuning a
+    compute-dtype copy of the weights sharded like them. Its segments a row are
+    ``plan.preference_segments_bound`` (no data is read here)."""
     import time
 
     import jax
@@ -43,17 +49,27 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
     model_config = presets.model_config(config.model, vocab_size_hint(config))
     model = presets.build_model(model_config, param_dtype=jnp.dtype(config.param_dtype),
                                 remat=config.remat, attention=config.attention, mesh=device_mesh)
+    base_model = model
     params = abstract_params(model_config, config.param_dtype)
-    frozen = frozen_shardings = None
-    if config.lora_rank:  # the state: adapters; the base: a compute-dtype argument
-        model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha,
-                          modules=config.lora_modules, dtype=jnp.dtype(config.param_dtype))
+    frozen = frozen_shardings = preference_settings = None
+    dpo = config.objective == "dpo"
+    if config.lora_rank or dpo:
+        # LoRA's frozen base (also DPO's reference), or full fine-tuning DPO's reference copy:
+        # the starting weights in the compute dtype, sharded like the params.
         base = abstract_params(model_config, config.compute_dtype)
         frozen_shardings = sharding.param_sharding(base, device_mesh)
         frozen = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                                                        sharding=where),
                               base, frozen_shardings)
+    if config.lora_rank:  # the state: adapters; the base: a compute-dtype argument
+        model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha,
+                          modules=config.lora_modules, dtype=jnp.dtype(config.param_dtype))
         params = adapter_params(model_config, config)
+    if dpo:
+        preference_settings = optimization.Preference(
+            reference_model=base_model, beta=config.dpo_beta,
+            label_smoothing=config.dpo_label_smoothing,
+            num_segments=preference_segments_bound(config.maxlen), adapters=config.lora_rank > 0)
     schedule = optax.constant_schedule(1e-5)
     optimizer = optimization.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
                                             max_grad_norm=1.0)
@@ -65,7 +81,8 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
     step = optimization.make_train_step(model, optimizer, schedule, jnp.dtype(config.compute_dtype),
                                         device_mesh, shardings,
                                         grad_accum_steps=config.grad_accum_steps,
-                                        frozen_shardings=frozen_shardings)
+                                        frozen_shardings=frozen_shardings,
+                                        preference_settings=preference_settings)
     compiled = step.lower(abstract_state, batch, frozen).compile()
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()

@@ -31,7 +31,7 @@ from gemmalab import plan, storage
 from gemmalab.config import TrainConfig
 from gemmalab.data import chat as chat_template
 from gemmalab.data import packing
-from gemmalab.data.documents import CHAT
+from gemmalab.data.documents import CONVERSATIONAL
 from gemmalab.data.preparation import PreparedData, TrainingData, prepare_data, training_data
 from gemmalab.errors import TrainingDiverged
 from gemmalab.model import lora, mesh, presets, sampling
@@ -104,7 +104,7 @@ class Experiment:
                                          remat=config.remat, attention=config.attention,
                                          mesh=device_mesh)
         token_ids = trained_token_ids(config, prepared.tokenizer_info,
-                                      chat=prepared.corpus.format == CHAT)
+                                      chat=prepared.corpus.conversational)
         model = (lora.wrap(base_model, rank=config.lora_rank, alpha=config.lora_alpha,
                            modules=config.lora_modules, dtype=param_dtype, token_ids=token_ids)
                  if config.lora_rank else base_model)
@@ -120,7 +120,7 @@ class Experiment:
         weights = restore_or_init(config, base_model, optimizer, device_mesh, checkpoint, saved,
                                   data.train_iterator, resume=previous is not None,
                                   token_rows=len(token_ids))
-        jax.block_until_ready((weights.state, weights.frozen))
+        jax.block_until_ready((weights.state, weights.held))
         startup.phase("model")
 
         adapters = weights.trainable_params if weights.frozen is not None else 0
@@ -182,7 +182,7 @@ class Experiment:
         """
         single = isinstance(prompts, str)
         prompts = [prompts] if single else list(prompts)
-        if self.data_stats.get("data_format") == CHAT if chat is None else chat:
+        if self.data_stats.get("data_format") in CONVERSATIONAL if chat is None else chat:
             prompts = [chat_template.user_prompt(p) for p in prompts]
         # LoRA: merged straight into the compute dtype sampling runs in (no master-size copy).
         continuations = sampling.continue_prompts(
@@ -204,21 +204,34 @@ class Experiment:
                                             weights.state_shardings,
                                             grad_accum_steps=self.config.grad_accum_steps,
                                             skip_nonfinite=self.config.skip_nonfinite,
-                                            frozen_shardings=weights.frozen_shardings)
+                                            frozen_shardings=weights.held_shardings,
+                                            preference_settings=self.preference_settings)
         started = time.perf_counter()
         rows = jax.ShapeDtypeStruct((self.config.batch_size, self.config.maxlen), jnp.int32,
                                     sharding=mesh.batch_sharding(self.mesh))
         batch = {name: rows for name in packing.FIELDS}
-        compiled = step.lower(weights.state, batch, weights.frozen).compile()
+        compiled = step.lower(weights.state, batch, weights.held).compile()
         self.startup.record("compile", time.perf_counter() - started)
         self.flops.record_compiled(compiled)
         return compiled
 
     @functools.cached_property
+    def preference_settings(self) -> optimization.Preference | None:
+        """DPO's settings for the steps; None for SFT."""
+        cfg = self.config
+        if cfg.objective != "dpo":
+            return None
+        return optimization.Preference(reference_model=self.base_model, beta=cfg.dpo_beta,
+                                       label_smoothing=cfg.dpo_label_smoothing,
+                                       num_segments=self.data.max_segments,
+                                       adapters=cfg.lora_rank > 0)
+
+    @functools.cached_property
     def eval_step(self) -> Any:
         return optimization.make_eval_step(self.model, self.compute_dtype, self.mesh,
                                            self.weights.state_shardings.params,
-                                           self.weights.frozen_shardings)
+                                           self.weights.held_shardings,
+                                           self.preference_settings)
 
     def next_batch(self) -> dict[str, Any]:
         """The next global batch, placed on the mesh (this process supplies its rows).
@@ -230,10 +243,10 @@ class Experiment:
         self.batch_digest = zlib.crc32(np.ascontiguousarray(local["tokens"]).tobytes())
         return mesh.global_batch(local, self.mesh)
 
-    def evaluate(self) -> tuple[float, float]:
-        """Eval loss and perplexity over the whole held-out split."""
+    def evaluate(self) -> dict[str, float]:
+        """Eval loss and perplexity (DPO: and the pairs' means) over the whole held-out split."""
         return optimization.evaluate(self.eval_step, self.weights.state.params,
-                                     self.data.eval_batches, self.mesh, self.weights.frozen)
+                                     self.data.eval_batches, self.mesh, self.weights.held)
 
     # -----------------------------------------------------------------------------------------
     # The loop.
@@ -271,7 +284,7 @@ class Experiment:
                 wait_started = time.perf_counter()
                 batch = self.next_batch()
                 data_wait = time.perf_counter() - wait_started
-                weights.state, step_metrics = train_step(weights.state, batch, weights.frozen)
+                weights.state, step_metrics = train_step(weights.state, batch, weights.held)
                 log.step(step, step_metrics, data_wait, self.batch_digest)
                 # One process: every step; several: a collective, so every log_every steps.
                 stopping = ((jax.process_count() == 1 or step % cfg.log_every == 0)
@@ -299,7 +312,7 @@ class Experiment:
         return self.summary
 
     def _record_eval(self, step: int, log: metrics.StepLog) -> dict[str, Any]:
-        return log.evaluation(step, *self.evaluate())
+        return log.evaluation(step, self.evaluate())
 
     def _save_checkpoint(self, step: int) -> None:
         started = time.perf_counter()
@@ -330,6 +343,12 @@ class Experiment:
             "final_eval_loss": final_eval["eval_loss"],
             "initial_eval_perplexity": initial_eval["eval_perplexity"],
             "final_eval_perplexity": final_eval["eval_perplexity"],
+            "objective": self.config.objective,
+            # DPO: the held-out pairs' means (reward accuracy, margin, KL estimate, ...)
+            **{f"{when}_{name}": record[name]
+               for when, record in (("initial", initial_eval), ("final", final_eval))
+               for name in record if name.startswith("eval_")
+               and name not in ("eval_loss", "eval_perplexity")},
             "useful_tokens_per_s": useful / steady_time,
             "tokens_per_s": tokens / steady_time,
             "useful_token_share": useful / tokens,

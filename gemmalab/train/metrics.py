@@ -133,10 +133,12 @@ class StepLog:
         if step % self._log_every == 0:
             self.sink.flush()
 
-    def evaluation(self, step: int, loss: float, perplexity: float) -> dict[str, Any]:
-        """Record an evaluation; after step 0, also a plain log line (papermill and
+    def evaluation(self, step: int, values: dict[str, float]) -> dict[str, Any]:
+        """Record an evaluation (``optimization.evaluate``'s ``eval_loss``, ``eval_perplexity``
+        and, for DPO, the pairs' means); after step 0, also a plain log line (papermill and
         ``kubectl logs`` show these, not the bar)."""
-        record = {"step": step, "eval_loss": loss, "eval_perplexity": perplexity}
+        record = {"step": step, **values}
+        loss, perplexity = values["eval_loss"], values["eval_perplexity"]
         self.eval_history.append(record)
         self.sink.write("eval", record)
         recent = self.history[-self._log_every:]
@@ -144,6 +146,8 @@ class StepLog:
             self._bar.write(f"step {step}/{self._total}: "
                             f"train loss {np.mean([r['loss'] for r in recent]):.3f}, "
                             f"eval loss {loss:.3f} (perplexity {perplexity:.2f}), "
+                            + (f"reward accuracy {values['eval_reward_accuracy']:.3f}, "
+                               if "eval_reward_accuracy" in values else "") +
                             f"{np.mean([r['useful_tokens_per_s'] for r in recent]):,.0f} "
                             "useful tokens/s")
         self.sink.flush()
@@ -210,9 +214,11 @@ class FlopAccounting:
     @classmethod
     def of_run(cls, config: Any, model_config: Any, *, num_params: int, adapters: int,
                devices: Any, host_peak_flops_per_s: float | None = None) -> FlopAccounting:
-        """``num_params``: every weight; ``adapters``: LoRA's share of them (0 without);
-        ``devices``: ``plan.Accelerator`` of the run's devices; ``host_peak_flops_per_s``: on
-        CPUs, ``host_peak.of_run``'s measured rate (the whole host's, for every device)."""
+        """``num_params``: every weight (not full fine-tuning DPO's reference copy: the config's
+        ``objective`` adds its forward pass, ``plan.model_flops``); ``adapters``: LoRA's share of
+        them (0 without); ``devices``: ``plan.Accelerator`` of the run's devices;
+        ``host_peak_flops_per_s``: on CPUs, ``host_peak.of_run``'s measured rate (the whole
+        host's, for every device)."""
         from gemmalab import plan
 
         flops = plan.model_flops(model_config, num_params - adapters, config, adapters=adapters)

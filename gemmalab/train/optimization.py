@@ -7,10 +7,16 @@ cast inside the step, so gradients and updates stay in the master dtype). The lo
 
 With LoRA the state's params are the adapters alone; the base weights are a separate ``frozen``
 tree (compute dtype, never updated, not donated) that each step joins to them.
+
+With DPO (``Preference``) the steps compare the policy's sequence log-probabilities with the
+reference's, the base model run on ``frozen``: with LoRA that is the base itself (the adapters
+off, no extra weights); in full fine-tuning it is a frozen compute-dtype copy of the starting
+weights, passed in ``frozen``'s place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gemmalab.model import attention, cross_entropy, lora, presets, sharding
+from gemmalab.model import attention, cross_entropy, lora, preference, presets, sharding
 from gemmalab.model.mesh import batch_sharding, global_batch, replicated
 
 OPTIMIZER_SCOPE = "optimizer"  # jax.named_scope of the update's ops (their HLO op_name)
@@ -63,13 +69,27 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
     return causal[None] & same & real
 
 
-def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
-                 frozen: Any = None, mesh: Any = None) -> tuple[jax.Array, jax.Array]:
-    """Sum of masked next-token NLL over the batch, and the number of loss-bearing targets.
+@dataclasses.dataclass(frozen=True)
+class Preference:
+    """DPO's settings for the steps (``make_train_step``/``make_eval_step``; None: SFT).
 
-    ``frozen``: the base weights a LoRA model's adapters (``params``) are joined to. ``mesh``:
-    the one the batch is split over (None: let XLA place the loss's chunks).
-    """
+    ``reference_model``: the base model (no adapters), run on ``frozen`` for the reference's
+    log-probabilities. ``adapters``: the policy is a LoRA model whose ``frozen`` is its own base
+    (else ``frozen`` is only the reference's copy). ``num_segments``: the most segments a row
+    can hold (a static bound: two per pair)."""
+
+    reference_model: Any
+    beta: float
+    label_smoothing: float
+    num_segments: int
+    adapters: bool
+
+
+def _hidden_states(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
+                   frozen: Any = None) -> tuple[jax.Array, jax.Array, Any]:
+    """``(hidden states [B, L, D], output head, LoRA's row updates or None)`` of the batch.
+
+    ``frozen``: the base weights a LoRA model's adapters (``params``) are joined to."""
     params = presets.cast_params(params, compute_dtype)
     head, row_updates = None, None
     if frozen is not None:
@@ -87,24 +107,91 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
     output = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
                          attention_mask=mask, return_hidden_states=True)
     head = params["embedder"]["input_embedding"] if head is None else head
-    return cross_entropy.chunked_cross_entropy(output.hidden_states, head, batch["targets"],
+    return output.hidden_states, head, row_updates
+
+
+def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
+                 frozen: Any = None, mesh: Any = None) -> tuple[jax.Array, jax.Array]:
+    """Sum of masked next-token NLL over the batch, and the number of loss-bearing targets.
+
+    ``frozen``: the base weights a LoRA model's adapters (``params``) are joined to. ``mesh``:
+    the one the batch is split over (None: let XLA place the loss's chunks).
+    """
+    hidden, head, row_updates = _hidden_states(model, params, batch, compute_dtype, frozen)
+    return cross_entropy.chunked_cross_entropy(hidden, head, batch["targets"],
                                  batch["loss_mask"] > 0, softcap=model.config.final_logit_softcap,
                                  max_logits=cross_entropy.LOSS_CHUNK_LOGITS, mesh=mesh,
                                  row_updates=row_updates)
 
 
+def segment_logps(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
+                  num_segments: int, frozen: Any = None, mesh: Any = None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """``([B, num_segments] sequence log-probabilities, their loss-bearing tokens)``: each
+    packed segment's sum over its loss-bearing targets, from the chunked loss."""
+    hidden, head, row_updates = _hidden_states(model, params, batch, compute_dtype, frozen)
+    nll, counts = cross_entropy.chunked_segment_nll(
+        hidden, head, batch["targets"], batch["loss_mask"] > 0, batch["segment_ids"],
+        num_segments=num_segments, softcap=model.config.final_logit_softcap,
+        max_logits=cross_entropy.LOSS_CHUNK_LOGITS, mesh=mesh, row_updates=row_updates)
+    return -nll, counts
+
+
+def forward_preference(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
+                       frozen: Any, mesh: Any, settings: Preference
+                       ) -> tuple[jax.Array, preference.PairSums]:
+    """DPO's loss summed over the batch's pairs, and its sums (``preference.dpo_sums``): the
+    policy (``model`` on ``params``) against the reference (the base on ``frozen``)."""
+    policy, counts = segment_logps(model, params, batch, compute_dtype, settings.num_segments,
+                                   frozen if settings.adapters else None, mesh)
+    # The reference depends on no trained weight: autodiff runs no backward pass through it.
+    reference, _ = segment_logps(settings.reference_model, jax.lax.stop_gradient(frozen), batch,
+                                 compute_dtype, settings.num_segments, None, mesh)
+    sums = preference.dpo_sums(policy, reference, counts, beta=settings.beta,
+                               label_smoothing=settings.label_smoothing)
+    return sums.loss, sums
+
+
+def loss_sums(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
+              frozen: Any, mesh: Any, settings: Preference | None = None
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The objective's summed loss (what is differentiated) and its sums: ``count`` (what the
+    loss is a mean over: loss-bearing targets, or DPO's pairs), ``useful_tokens`` and, for
+    DPO, the pairs' diagnostics. Sums, so micro-batches and eval batches add up."""
+    if settings is None:
+        total, count = forward_loss(model, params, batch, compute_dtype, frozen, mesh)
+        return total, {"count": count, "useful_tokens": count}
+    total, sums = forward_preference(model, params, batch, compute_dtype, frozen, mesh, settings)
+    return total, {**sums._asdict(), "count": sums.pairs, "useful_tokens": sums.response_tokens}
+
+
+def sums_metrics(total: jax.Array, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The logged means of a step's (or an evaluation's) sums: ``loss``, ``useful_tokens``, and
+    for DPO ``preference.pair_means``'s (``reward_accuracy``, ``kl_estimate``, ...)."""
+    metrics = {"loss": total / jnp.maximum(sums["count"], 1.0),
+               "useful_tokens": sums["useful_tokens"]}
+    if "pairs" in sums:
+        fields = preference.PairSums._fields
+        means = preference.pair_means(preference.PairSums(**{k: sums[k] for k in fields}))
+        metrics.update({k: v for k, v in means.items() if k != "dpo_loss"})
+    return metrics
+
+
 def make_train_step(model: Any, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, compute_dtype: Any, mesh: Any, state_shardings: Any,
                     *, grad_accum_steps: int = 1, skip_nonfinite: bool = False,
-                    frozen_shardings: Any = None) -> Callable[..., tuple[TrainState, dict]]:
+                    frozen_shardings: Any = None, preference_settings: Preference | None = None
+                    ) -> Callable[..., tuple[TrainState, dict]]:
     """One jit-compiled step ``(state, batch, frozen) -> (state, metrics)``; the incoming state
     is donated (updated in place) and keeps ``state_shardings`` (from ``state_sharding``).
-    ``frozen``: LoRA's base weights (placed by ``frozen_shardings``), read, never donated; None
-    for full fine-tuning. (Positional: jit takes no keyword arguments beside its shardings.)
+    ``frozen``: LoRA's base weights, or full fine-tuning DPO's reference copy (placed by
+    ``frozen_shardings``), read, never donated; None otherwise. (Positional: jit takes no
+    keyword arguments beside its shardings.) ``preference_settings``: DPO's (None: SFT).
 
     With ``grad_accum_steps`` > 1 the batch is processed in that many micro-batches, one after
     the other, and their gradients summed: activations of one micro-batch at a time, the same
-    update (the loss is the mean over every loss-bearing token of the whole batch either way).
+    update (the loss is the mean over every loss-bearing token, or pair, of the whole batch
+    either way).
 
     With ``skip_nonfinite`` a step whose loss or gradient norm is not finite keeps the weights
     and optimizer state as they were (its metrics say ``skipped``: 1).
@@ -112,15 +199,16 @@ def make_train_step(model: Any, optimizer: optax.GradientTransformation,
 
     def step(state: TrainState, batch: dict[str, jax.Array], frozen: Any
              ) -> tuple[TrainState, dict]:
-        (total, count), grads = summed_gradients(model, state.params, batch, compute_dtype,
-                                                 mesh, grad_accum_steps, frozen)
-        scale = 1.0 / jnp.maximum(count, 1.0)
+        (total, sums), grads = summed_gradients(model, state.params, batch, compute_dtype,
+                                                mesh, grad_accum_steps, frozen,
+                                                preference_settings)
+        scale = 1.0 / jnp.maximum(sums["count"], 1.0)
         grads = jax.tree.map(lambda g: g * scale, grads)
         with jax.named_scope(OPTIMIZER_SCOPE):  # names the update's ops in profiles
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": total * scale, "useful_tokens": count,
-                   "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+        metrics = {**sums_metrics(total, sums), "grad_norm": optax.tree.norm(grads),
+                   "learning_rate": schedule(state.step)}
         if skip_nonfinite:
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
             params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
@@ -134,11 +222,13 @@ def make_train_step(model: Any, optimizer: optax.GradientTransformation,
 
 
 def summed_gradients(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
-                     mesh: Any, micro_batches: int, frozen: Any = None
-                     ) -> tuple[tuple[jax.Array, jax.Array], Any]:
-    """``((sum of NLL, loss-bearing targets), gradient of the sum)`` over ``micro_batches``."""
+                     mesh: Any, micro_batches: int, frozen: Any = None,
+                     preference_settings: Preference | None = None
+                     ) -> tuple[tuple[jax.Array, dict[str, jax.Array]], Any]:
+    """``((summed loss, loss_sums' sums), gradient of the sum)`` over ``micro_batches``."""
     value_and_grad = jax.value_and_grad(
-        lambda p, b: forward_loss(model, p, b, compute_dtype, frozen, mesh), has_aux=True)
+        lambda p, b: loss_sums(model, p, b, compute_dtype, frozen, mesh, preference_settings),
+        has_aux=True)
     if micro_batches == 1:
         return value_and_grad(params, batch)
     # Micro-batch j takes rows j, j + n, j + 2n, ...: every device keeps working on its own rows.
@@ -148,23 +238,23 @@ def summed_gradients(model: Any, params: Any, batch: dict[str, jax.Array], compu
 
     def accumulate(carry: Any, micro: dict[str, jax.Array]) -> tuple[Any, None]:
         micro = jax.lax.with_sharding_constraint(micro, batch_sharding(mesh))
-        (total, count), grads = value_and_grad(params, micro)
-        sums, counts, summed = carry
-        return (sums + total, counts + count, jax.tree.map(jnp.add, summed, grads)), None
+        return jax.tree.map(jnp.add, carry, value_and_grad(params, micro)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-             jax.tree.map(jnp.zeros_like, params))
-    (total, count, grads), _ = jax.lax.scan(accumulate, zeros, split)
-    return (total, count), grads
+    zeros = jax.tree.map(jnp.zeros_like,
+                         jax.eval_shape(value_and_grad, params, jax.tree.map(lambda x: x[0],
+                                                                             split)))
+    summed, _ = jax.lax.scan(accumulate, zeros, split)
+    return summed
 
 
 def make_eval_step(model: Any, compute_dtype: Any, mesh: Any, params_shardings: Any,
-                   frozen_shardings: Any = None) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """``(params, batch, frozen) -> (sum of NLL, loss-bearing targets)``, jit-compiled
-    (``frozen``: LoRA's base weights, or None)."""
+                   frozen_shardings: Any = None, preference_settings: Preference | None = None
+                   ) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+    """``(params, batch, frozen) -> (summed loss, loss_sums' sums)``, jit-compiled
+    (``frozen``: LoRA's base weights or DPO's reference copy, or None)."""
     def step(params: Any, batch: dict[str, jax.Array], frozen: Any
-             ) -> tuple[jax.Array, jax.Array]:
-        return forward_loss(model, params, batch, compute_dtype, frozen, mesh)
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return loss_sums(model, params, batch, compute_dtype, frozen, mesh, preference_settings)
 
     return jax.jit(step, in_shardings=(params_shardings, batch_sharding(mesh), frozen_shardings),
                    out_shardings=replicated(mesh))
@@ -211,12 +301,26 @@ def init_state(params: Any, optimizer: optax.GradientTransformation, mesh: Any
 
 
 def evaluate(eval_step: Callable, params: Any, batches: list[dict[str, np.ndarray]], mesh: Any,
-             frozen: Any = None) -> tuple[float, float]:
-    """Mean loss over every loss-bearing target of the eval set, and its perplexity."""
-    total, count = 0.0, 0.0
+             frozen: Any = None) -> dict[str, float]:
+    """The held-out metrics over the whole eval set: ``eval_loss`` (the mean over every
+    loss-bearing target, or DPO's pairs), ``eval_perplexity`` (of the loss-bearing targets; for
+    DPO of the chosen replies, under the policy) and, for DPO, the pairs' means (``eval_`` +
+    ``sums_metrics``'s names: ``eval_reward_accuracy``, ``eval_kl_estimate``, ...)."""
+    total, sums = 0.0, None
     for batch in batches:
-        s, n = jax.device_get(eval_step(params, global_batch(batch, mesh), frozen))
+        s, batch_sums = jax.device_get(eval_step(params, global_batch(batch, mesh), frozen))
         total += float(s)
-        count += float(n)
-    loss = total / max(count, 1.0)
-    return loss, float(np.exp(min(loss, 80.0)))
+        batch_sums = {k: float(v) for k, v in batch_sums.items()}
+        sums = batch_sums if sums is None else {k: sums[k] + batch_sums[k] for k in sums}
+    if sums is None:
+        return {"eval_loss": float("nan"), "eval_perplexity": float("nan")}
+    means = {k: float(v) for k, v in sums_metrics(np.float64(total), sums).items()}
+    loss = means.pop("loss")
+    if "pairs" in sums:  # perplexity of the chosen replies: -log p per chosen token
+        nll_per_token = -sums["chosen_logp"] / max(sums["chosen_tokens"], 1.0)
+    else:
+        nll_per_token = loss
+    out = {"eval_loss": loss, "eval_perplexity": float(np.exp(min(nll_per_token, 80.0)))}
+    if "pairs" in sums:
+        out.update({f"eval_{k}": v for k, v in means.items() if k != "useful_tokens"})
+    return out

@@ -2,7 +2,9 @@
 
 ``TrainWeights`` is one object for both: ``state`` (the ``TrainState``: trainable params and the
 optimizer's moments, what a checkpoint saves) and, with LoRA, ``frozen``: the base weights in the
-compute dtype, never updated and never checkpointed (read again on a resume). ``restore_or_init``
+compute dtype, never updated and never checkpointed (read again on a resume). DPO's reference is
+that frozen base with the adapters off; in full fine-tuning it is ``reference``, the starting
+weights in the compute dtype, likewise read again on a resume. ``restore_or_init``
 builds it, straight into the shards of the mesh: from the newest checkpoint of the run, else from
 the configured base (or random init).
 """
@@ -34,6 +36,18 @@ class TrainWeights:
     frozen: Any = None
     frozen_shardings: Any = None
     start_step: int = 0
+    reference: Any = None  # full fine-tuning DPO's reference weights (else None)
+    reference_shardings: Any = None
+
+    @property
+    def held(self) -> Any:
+        """What the steps take beside the state (their ``frozen`` argument): LoRA's base (also
+        DPO's reference), full fine-tuning DPO's reference, or None."""
+        return self.frozen if self.frozen is not None else self.reference
+
+    @property
+    def held_shardings(self) -> Any:
+        return self.frozen_shardings if self.frozen is not None else self.reference_shardings
 
     @property
     def trainable_params(self) -> int:
@@ -57,7 +71,8 @@ class TrainWeights:
     def bytes_per_device(self) -> dict[str, int]:
         """summary.json's "params_bytes_per_device" and "optimizer_bytes_per_device"."""
         return {"params_bytes_per_device": (sharding.shard_bytes(self.state.params)
-                                            + sharding.shard_bytes(self.frozen or {})),
+                                            + sharding.shard_bytes(self.frozen or {})
+                                            + sharding.shard_bytes(self.reference or {})),
                 "optimizer_bytes_per_device": sharding.shard_bytes(self.state.opt_state)}
 
 
@@ -65,15 +80,19 @@ def restore_or_init(config: TrainConfig, base_model: Any, optimizer: Any, device
                     checkpoint: sources.ResolvedCheckpoint, saved: checkpoints.TrainCheckpoints,
                     iterator: Any, *, resume: bool, token_rows: int = 0) -> TrainWeights:
     """The run's weights on ``device_mesh``: the state restored (and ``iterator`` moved to its
-    data position) or initialised, and LoRA's frozen base read into its shards."""
+    data position) or initialised, and LoRA's frozen base (or full fine-tuning DPO's reference)
+    read into its shards."""
     start_step, state, shardings = _restored_or_initial_state(
         config, base_model, optimizer, device_mesh, checkpoint, saved, iterator, resume=resume,
         token_rows=token_rows)
-    frozen, frozen_shardings = None, None
+    weights = TrainWeights(state=state, state_shardings=shardings, start_step=start_step)
     if config.lora_rank:
-        frozen, frozen_shardings = _frozen_base(config, base_model, checkpoint, device_mesh)
-    return TrainWeights(state=state, state_shardings=shardings, frozen=frozen,
-                        frozen_shardings=frozen_shardings, start_step=start_step)
+        weights.frozen, weights.frozen_shardings = _frozen_base(config, base_model, checkpoint,
+                                                                device_mesh)
+    elif config.objective == "dpo":  # the starting weights, as LoRA's base is
+        weights.reference, weights.reference_shardings = _frozen_base(config, base_model,
+                                                                      checkpoint, device_mesh)
+    return weights
 
 
 def trained_token_ids(config: TrainConfig, info: Any, *, chat: bool) -> tuple[int, ...]:
@@ -127,8 +146,9 @@ def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: 
 
 def _frozen_base(config: TrainConfig, base_model: Any, checkpoint: sources.ResolvedCheckpoint,
                  device_mesh: Any) -> tuple[Any, Any]:
-    """LoRA's base weights in the compute dtype, read (or drawn from ``seed``) into their
-    shards; the same on a resume, so they are never checkpointed. Returns (weights, shardings)."""
+    """The starting weights in the compute dtype (LoRA's base, DPO's reference), read (or drawn
+    from ``seed``) into their shards; the same on a resume, so they are never checkpointed.
+    Returns (weights, shardings)."""
     expected = plan.abstract_params(base_model.config, config.param_dtype)
     compute_dtype = jnp.dtype(config.compute_dtype)
     params = initial_params(base_model, checkpoint, config, compute_dtype, device_mesh, expected)

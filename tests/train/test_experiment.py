@@ -113,13 +113,14 @@ def test_saved_params_load_with_gemma_and_reproduce_eval(finished_run):
     weights = dataclasses.replace(experiment.weights,
                                   state=experiment.weights.state.replace(params=loaded))
     experiment_copy = dataclasses.replace(experiment, model=rebuilt, weights=weights)
-    assert experiment_copy.evaluate()[0] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+    assert experiment_copy.evaluate()["eval_loss"] == pytest.approx(summary["final_eval_loss"],
+                                                                    rel=1e-5)
 
 
 def test_resume_from_saved_params(finished_run, tmp_path, cache_dir, stories_file):
     experiment, summary, saved, _ = finished_run
     again = Experiment.prepare(small_config(tmp_path, cache_dir, stories_file, checkpoint=saved))
-    assert again.evaluate()[0] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+    assert again.evaluate()["eval_loss"] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
 
 
 def test_saved_params_load_straight_into_fsdp_shards(finished_run, tmp_path, cache_dir,
@@ -131,7 +132,7 @@ def test_saved_params_load_straight_into_fsdp_shards(finished_run, tmp_path, cac
     assert linear.sharding.spec == ("tensor", "fsdp") or linear.sharding.spec[1] == "fsdp"
     assert linear.addressable_shards[0].data.shape == (linear.shape[0], linear.shape[1] // 8)
     # Another mesh sums in another order (bfloat16 compute): close, not bit-equal.
-    assert again.evaluate()[0] == pytest.approx(summary["final_eval_loss"], rel=5e-3)
+    assert again.evaluate()["eval_loss"] == pytest.approx(summary["final_eval_loss"], rel=5e-3)
 
 
 def test_a_checkpoint_of_another_model_is_a_one_line_error(finished_run, tmp_path, cache_dir,

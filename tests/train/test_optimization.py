@@ -176,8 +176,8 @@ def test_evaluate_counts_every_real_target():
     eval_step = optimization.make_eval_step(model, jnp.float32, device_mesh,
                                             sharding.param_sharding(params, device_mesh))
     batches = [_batch(seed=1), _batch(seed=2)]
-    loss, perplexity = optimization.evaluate(eval_step, jax.device_put(params), batches,
-                                             device_mesh)
+    held_out = optimization.evaluate(eval_step, jax.device_put(params), batches, device_mesh)
+    loss, perplexity = held_out["eval_loss"], held_out["eval_perplexity"]
     totals = [optimization.forward_loss(model, params, b, jnp.float32) for b in batches]
     expected = sum(float(t) for t, _ in totals) / sum(float(n) for _, n in totals)
     assert loss == pytest.approx(expected, rel=1e-5)
