@@ -397,6 +397,11 @@ def _tokenizer_of_checkpoint(checkpoint: str) -> str:
         return str(own)
     run_summary = Path(checkpoint).parent / "summary.json"  # output_dir/params of a run
     if run_summary.is_file():
+        # The very tokenizer the run saved beside its params: a "local" one is trained per
+        # corpus, so naming "local" again would train another on a continuing run's new data.
+        saved = Path(checkpoint).parent / "tokenizer.model"
+        if saved.is_file():
+            return str(saved)
         import json
 
         return json.loads(run_summary.read_text())["params"]["tokenizer"]

@@ -90,3 +90,16 @@ def test_a_local_tokenizer_with_a_pretrained_checkpoint_is_refused():
         TrainConfig(checkpoint="embedded:gemma3-270m", tokenizer="local")
     assert str(error.value).startswith("tokenizer: a tokenizer trained on the corpus")
     assert "\n" not in str(error.value)
+
+
+def test_a_runs_params_come_with_the_tokenizer_that_run_saved(tmp_path):
+    """A continuing run (DPO after SFT) reads the very tokenizer saved beside the params: a
+    'local' one would otherwise be trained again on the new run's data, another vocabulary."""
+    import json
+
+    run = tmp_path / "sft"
+    (run / "params").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"params": {"tokenizer": "local"}}))
+    assert TrainConfig(checkpoint=str(run / "params")).tokenizer == "local"
+    (run / "tokenizer.model").write_bytes(b"sentencepiece")
+    assert TrainConfig(checkpoint=str(run / "params")).tokenizer == str(run / "tokenizer.model")

@@ -69,3 +69,15 @@ def test_samples_side_by_side(run, chat):
 def test_missing_run(tmp_path):
     with pytest.raises(ConfigError, match="^finetuned: no summary.json"):
         compare.load_run(str(tmp_path))
+
+
+def test_a_run_continuing_another_finds_its_parent(tmp_path):
+    import json
+
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "summary.json").write_text(json.dumps({"params": TrainConfig().to_dict()}))
+    output_dir, config = compare._parent_run(f"{sft}/params/")
+    assert output_dir == str(sft) and config.objective == "sft"
+    assert compare._parent_run(str(tmp_path / "elsewhere" / "params")) is None
+    assert compare._parent_run("embedded:gemma3-270m") is None

@@ -262,3 +262,16 @@ def test_build_picks_a_job_for_one_host_and_a_jobset_for_several():
     assert not list(jobset_validator().iter_errors(v5e))
     for _, job_spec in child_jobs(v5e):
         _validate(as_job(v5e, job_spec))
+
+
+def test_a_dpo_run_is_one_parameter_and_a_bad_objective_is_refused(capsys):
+    from gemmalab.k8s.cli import main
+
+    assert main(["job", "--name", "dpo-run", "-p", "objective", "dpo", "-p", "dpo_beta",
+                 "0.2"]) == 0
+    [doc] = yaml.safe_load_all(capsys.readouterr().out)
+    args = pod_specs(doc)[0]["containers"][0]["args"]
+    assert args[args.index("objective") + 1] == "dpo"
+    assert args[args.index("dpo_beta") + 1] == "0.2"
+    assert main(["job", "-p", "objective", "ppo"]) == 2
+    assert "objective: unknown objective 'ppo'" in capsys.readouterr().err

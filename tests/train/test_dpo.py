@@ -197,3 +197,39 @@ def test_evaluate_reports_the_pairs_means_and_the_chosen_replies_perplexity():
     assert held_out["eval_reward_accuracy"] == pytest.approx(np.mean(np.asarray(margins) > 0))
     assert held_out["eval_loss"] == pytest.approx(
         np.mean([math.log1p(math.exp(-m)) for m in margins]), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_killed_dpo_run_resumes_exactly_with_its_reference_read_again(tmp_path, cache_dir):
+    """Full fine-tuning DPO on the embedded preference set, killed before step 5 (checkpoint
+    at 3) and started again: the same per-step losses and rewards as the run never stopped,
+    bit for bit; the reference (never checkpointed) is the starting weights again."""
+    from test_resume import crashed_run  # pytest puts this directory on sys.path
+
+    from gemmalab.config import TrainConfig
+    from gemmalab.train.experiment import Experiment
+
+    def config(name):
+        return TrainConfig(objective="dpo", embedded_stories=60, tokenizer_vocab_size=2048,
+                           cache_dir=str(cache_dir), output_dir=str(tmp_path / name),
+                           batch_size=8, maxlen=512, max_steps=7, eval_every=0,
+                           checkpoint_every=3, tokenize_workers=1, seed=2,
+                           compute_dtype="float32", learning_rate=1e-3)
+
+    whole = Experiment.prepare(config("whole"))
+    start = jax.tree.map(np.asarray, whole.weights.state.params)
+    whole.train(progress=False)
+    first = crashed_run(config("crashed"), 5)
+    assert first.checkpoints.steps() == [3]
+    again = Experiment.prepare(config("crashed"))
+    assert again.weights.start_step == 3
+    for a, b in zip(jax.tree.leaves(again.weights.reference), jax.tree.leaves(start),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    again.train(progress=False)
+    for a, b in zip(again.history, whole.history, strict=True):
+        assert a["step"] == b["step"]
+        for name in ("loss", "reward_margin", "reward_accuracy", "kl_estimate", "grad_norm"):
+            assert a[name] == b[name], (a["step"], name)
+    assert whole.history[-1]["pairs"] > 0 and whole.summary["objective"] == "dpo"
+    assert 0.0 <= whole.summary["final_eval_reward_accuracy"] <= 1.0
