@@ -375,6 +375,9 @@ def _model_of_checkpoint(checkpoint: str) -> str:
     DEFAULT_MODEL for random init. Paths name none: their model must be given."""
     if checkpoint in EMBEDDED_BASES:
         return EMBEDDED_BASES[checkpoint]
+    run = _run_params_of(checkpoint)  # a gemmalab run's params: the model that run trained
+    if run is not None and run.get("model") in PRESET_NAMES:
+        return run["model"]
     upper = checkpoint.upper()
     if upper.startswith("GEMMA3_") and upper.count("_") == 2:
         preset = "gemma3-" + upper.split("_")[1].lower()
@@ -395,17 +398,26 @@ def _tokenizer_of_checkpoint(checkpoint: str) -> str:
     own = Path(checkpoint) / "tokenizer.model"  # a Hugging Face directory's
     if own.is_file():
         return str(own)
-    run_summary = Path(checkpoint).parent / "summary.json"  # output_dir/params of a run
-    if run_summary.is_file():
+    run = _run_params_of(checkpoint)
+    if run is not None:
         # The very tokenizer the run saved beside its params: a "local" one is trained per
         # corpus, so naming "local" again would train another on a continuing run's new data.
         saved = Path(checkpoint).parent / "tokenizer.model"
-        if saved.is_file():
-            return str(saved)
-        import json
-
-        return json.loads(run_summary.read_text())["params"]["tokenizer"]
+        return str(saved) if saved.is_file() else run.get("tokenizer", "gemma3")
     return "gemma3"
+
+
+def _run_params_of(checkpoint: str) -> dict[str, Any] | None:
+    """The parameters of the gemmalab run whose ``output_dir/params`` ``checkpoint`` is (its
+    ``summary.json`` beside them), else None."""
+    if not checkpoint or checkpoint.startswith(("gs://", "embedded:")):
+        return None
+    run_summary = Path(checkpoint).parent / "summary.json"
+    if not run_summary.is_file():
+        return None
+    import json
+
+    return json.loads(run_summary.read_text()).get("params", {})
 
 
 def _is_pretrained(checkpoint: str) -> bool:

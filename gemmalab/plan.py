@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gemmalab.config import AXES, DATA_AXIS, FSDP_AXIS, REMAT_POLICIES, TrainConfig
+from gemmalab.config import AXES, DATA_AXIS, FSDP_AXIS, OBJECTIVES, REMAT_POLICIES, TrainConfig
 from gemmalab.errors import ConfigError
 
 BATCH_FIELD_COUNT = 5  # int32 rows per batch: gemmalab.data.packing.FIELDS
@@ -389,6 +389,11 @@ def vocab_size_hint(config: TrainConfig) -> int:
     """The embedding rows the run will have, known before the tokenizer is loaded."""
     if config.model == "gemma3-tiny" and config.tokenizer == "local":
         return config.tokenizer_vocab_size
+    if (config.model == "gemma3-tiny" and config.tokenizer.endswith(".model")
+            and Path(config.tokenizer).is_file()):  # e.g. the local one a continued run saved
+        import sentencepiece as spm
+
+        return spm.SentencePieceProcessor(model_file=config.tokenizer).vocab_size()
     return GEMMA3_VOCAB  # Gemma's tokenizer; the largest a custom one may be for tiny
 
 
@@ -968,7 +973,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grad-accum-steps", type=int, default=1)
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
     parser.add_argument("--lora-modules", default="all")
-    parser.add_argument("--objective", default="sft", choices=("sft", "dpo"),
+    parser.add_argument("--objective", default="sft", choices=OBJECTIVES,
                         help="dpo: also the reference model's forward pass (and weights)")
     parser.add_argument("--datacount", type=int, default=None,
                         help="examples in the run, for its length (None: unknown)")

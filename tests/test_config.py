@@ -103,3 +103,14 @@ def test_a_runs_params_come_with_the_tokenizer_that_run_saved(tmp_path):
     assert TrainConfig(checkpoint=str(run / "params")).tokenizer == "local"
     (run / "tokenizer.model").write_bytes(b"sentencepiece")
     assert TrainConfig(checkpoint=str(run / "params")).tokenizer == str(run / "tokenizer.model")
+
+
+def test_a_runs_params_name_the_model_that_run_trained(tmp_path):
+    import json
+
+    run = tmp_path / "sft"
+    (run / "params").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"params": {"model": "gemma3-270m",
+                                                             "tokenizer": "gemma3"}}))
+    config = TrainConfig(checkpoint=str(run / "params"))
+    assert config.model == "gemma3-270m" and config.tokenizer == "gemma3"

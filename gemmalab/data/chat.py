@@ -104,9 +104,11 @@ def turn_token_ids(processor: Any) -> tuple[int, int]:
     return ids
 
 
-def encode(processor: Any, conversation: Conversation) -> tuple[np.ndarray, np.ndarray]:
+def encode(processor: Any, conversation: Conversation, *, last_reply_only: bool = False
+           ) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, loss_mask)``: int32 ids of BOS + the template, and a uint8 mask of the same
-    length, 1 where that token, as a target, bears loss (model content and its end of turn).
+    length, 1 where that token, as a target, bears loss (model content and its end of turn;
+    ``last_reply_only``: only the last model turn's, as a preference pair's reply).
 
     Special tokens are inserted as their ids; only the text between them is encoded, each piece
     on its own, so a reply is tokenized exactly as a sampler produces it after the prompt.
@@ -115,7 +117,7 @@ def encode(processor: Any, conversation: Conversation) -> tuple[np.ndarray, np.n
     pieces: list[tuple[list[int], int]] = [([BOS_ID], 0)]
     last = len(conversation.turns) - 1
     for i, (role, content) in enumerate(conversation.turns):
-        target = int(role == MODEL)
+        target = int(role == MODEL and (i == last or not last_reply_only))
         header, body, gap = processor.EncodeAsIds([f"{role}\n", content, "\n"])
         pieces += [([start, *header], 0), (body, target), ([end], target)]
         if i < last:

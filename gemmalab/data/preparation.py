@@ -104,6 +104,8 @@ class TrainingData:
 def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
     """Windows, packing fill and step counts of the train split; its batches and the eval's."""
     cache = prepared.cache
+    if cache.train.group > 1:
+        _require_pairs_fit(cache, config.maxlen)
     windows = WindowSource(cache.train, config.maxlen)
     fill = packing.packed_fill(windows, seed=config.seed) if config.packing else 1.0
     # Every process must count the same steps: totals and the mean fill of all shards.
@@ -128,21 +130,44 @@ def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
              **data_stats(prepared.corpus, cache, windows), "packed_fill": round(fill, 4)}
     return TrainingData(train_iterator=iterator, eval_batches=evals, steps_per_epoch=per_epoch,
                         total_steps=total_steps, stats=stats,
-                        max_segments=_max_segments(windows, cache, config.maxlen))
+                        max_segments=_max_segments(windows, cache, config.maxlen,
+                                                   config.packing))
 
 
-def _max_segments(windows: WindowSource, cache: TokenCache, maxlen: int) -> int:
+def _max_segments(windows: WindowSource, cache: TokenCache, maxlen: int, packing: bool) -> int:
     """For preference data, the most segments any row of any process can hold: two per pair,
-    as many pairs as the shortest pair (train or eval, of all processes) fits in ``maxlen``."""
+    as many pairs as the process's shortest ones fit in ``maxlen`` (rows never mix processes'
+    pairs), one without packing. The bound the per-segment loss is compiled for: every process
+    must agree on it. 0 for other data."""
     if windows.group == 1:
         return 0
-    lengths = [windows.unit_lengths, WindowSource(cache.eval, maxlen).unit_lengths]
-    shortest = np.asarray([min(int(x.min()) for x in lengths if len(x))], np.int64)
+    most = 1
+    if packing:
+        lengths = np.sort(np.concatenate([windows.unit_lengths,
+                                          WindowSource(cache.eval, maxlen).unit_lengths]))
+        most = max(1, int(np.searchsorted(np.cumsum(lengths), maxlen, side="right")))
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        shortest = np.asarray(multihost_utils.process_allgather(shortest)).min(keepdims=True)
-    return windows.group * (maxlen // int(shortest[0]))
+        most = int(np.max(multihost_utils.process_allgather(np.asarray([most], np.int64))))
+    return windows.group * most
+
+
+def _require_pairs_fit(cache: TokenCache, maxlen: int) -> None:
+    """Preference data: every process refuses (with the same one-line error) when any
+    process's pair exceeds ``maxlen``, rather than one process stopping while the others wait
+    for it in a collective."""
+    longest = max(int((split.lengths.reshape(-1, 2) - 1).sum(axis=1).max(initial=0))
+                  for split in (cache.train, cache.eval))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        longest = int(np.max(multihost_utils.process_allgather(np.asarray([longest], np.int64))))
+    if longest > maxlen:
+        raise ConfigError("maxlen", f"a preference pair takes {longest} tokens with both "
+                          f"replies, more than maxlen={maxlen}; a pair is never cut, and both "
+                          "replies share one row", f"raise maxlen to {longest} or more, or "
+                          "shorten the longest records")
 
 
 def data_stats(corpus_: Corpus, cache: TokenCache, windows: WindowSource) -> dict[str, Any]:

@@ -112,6 +112,8 @@ def load_or_build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule
         "eval_fraction": rule.eval_fraction, "max_eval_stories": rule.max_eval_stories,
         "process": [rule.process_index, rule.process_count],
     }
+    if corpus_.format == PREFERENCES:  # one file may parse as chat and as pairs (bad skipped)
+        key_fields["format"] = PREFERENCES
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:20]
     directory = cache_dir / "tokens" / key
     if not (directory / "meta.json").exists():

@@ -112,8 +112,12 @@ def encode_conversations(conversations: list[Any]) -> list[tuple[np.ndarray, np.
 
 def encode_pairs(pairs: list[Any]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     """Each ``chat.PreferencePair`` as two ``(ids, loss_mask)`` documents, chosen then
-    rejected: the same prompt tokens, the loss on each reply (needs ``init_encoder`` first)."""
-    return [encode_conversations([pair.chosen, pair.rejected]) for pair in pairs]
+    rejected: the same prompt tokens, the loss on each reply alone (a multi-turn prompt's earlier
+    model turns are prompt; needs ``init_encoder`` first)."""
+    from gemmalab.data import chat
+
+    return [[chat.encode(_worker_processor, side, last_reply_only=True)
+             for side in (pair.chosen, pair.rejected)] for pair in pairs]
 
 
 def piece_ids(info: TokenizerInfo, pieces: Iterable[str]) -> list[int | None]:

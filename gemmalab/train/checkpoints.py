@@ -23,7 +23,8 @@ CONFIG_FILE = "train_config.json"
 RESUME_FIELDS = ("model", "maxlen", "batch_size", "packing", "seed", "data_path", "datacount",
                  "embedded_stories", "eval_fraction", "max_eval_stories", "tokenizer",
                  "tokenizer_vocab_size", "param_dtype", "checkpoint", "lora_rank", "lora_alpha",
-                 "lora_modules", "lora_train_tokens", "train_on_prompt", "skip_bad_records")
+                 "lora_modules", "lora_train_tokens", "train_on_prompt", "skip_bad_records",
+                 "objective")
 
 
 class TrainCheckpoints:

@@ -33,7 +33,7 @@ from gemmalab.data import chat as chat_template
 from gemmalab.data import packing
 from gemmalab.data.documents import CONVERSATIONAL
 from gemmalab.data.preparation import PreparedData, TrainingData, prepare_data, training_data
-from gemmalab.errors import TrainingDiverged
+from gemmalab.errors import ConfigError, TrainingDiverged
 from gemmalab.model import lora, mesh, presets, sampling
 from gemmalab.train import checkpoints, compile_cache, host_peak, metrics, optimization
 from gemmalab.train.params import TrainWeights, restore_or_init, trained_token_ids
@@ -221,6 +221,9 @@ class Experiment:
         cfg = self.config
         if cfg.objective != "dpo":
             return None
+        if self.data.max_segments < 2:  # a cache of other data: no pair would ever count
+            raise ConfigError("data_path", f"{cfg.data_path} was read without preference pairs",
+                              "give objective='dpo' a preference JSONL file")
         return optimization.Preference(reference_model=self.base_model, beta=cfg.dpo_beta,
                                        label_smoothing=cfg.dpo_label_smoothing,
                                        num_segments=self.data.max_segments,

@@ -150,3 +150,34 @@ def test_sft_data_refuses_preference_pairs_naming_the_objective(preferences_file
                                  seed=0)
     line = json.loads(preferences_file.read_text().splitlines()[0])
     assert {"prompt", "chosen", "rejected"} <= line.keys()
+
+
+def test_only_the_last_reply_bears_loss_when_the_prompt_has_model_turns(cache):
+    from gemmalab.data.tokenizer import encode_pairs, init_encoder
+
+    _, processor = cache
+    pair = records.parse_record({
+        "prompt": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello!"},
+                   {"role": "user", "content": "A story?"}],
+        "chosen": [{"role": "assistant", "content": "Mia had a kite."}],
+        "rejected": [{"role": "assistant", "content": "Tom ran."}]})
+    init_encoder(processor.serialized_model_proto())
+    [sides] = encode_pairs([pair])
+    for (ids, mask), conversation in zip(sides, (pair.chosen, pair.rejected), strict=True):
+        reply = processor.EncodeAsIds(conversation.response)
+        assert int(mask.sum()) == len(reply) + 1  # the reply and its <end_of_turn>, nothing else
+        assert ids[mask == 1][:len(reply)].tolist() == reply
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_segment_bound_holds_every_row_and_is_two_without_packing(cache, packed):
+    from gemmalab.data.preparation import _max_segments
+
+    built, _ = cache
+    maxlen = 2 * _longest_pair(built.train)
+    windows = packing.WindowSource(built.train, maxlen)
+    bound = _max_segments(windows, built, maxlen, packed)
+    stream = packing.BatchStream(windows, rows_per_batch=8, packing=packed, seed=0)
+    most = max(int(stream.next_batch()["segment_ids"].max()) for _ in range(8))
+    assert most <= bound and bound % 2 == 0
+    assert bound == 2 if not packed else bound < maxlen // 8
