@@ -35,6 +35,36 @@ def test_train_notebook_runs_offline_end_to_end(tmp_path, cache_dir):
     assert "params saved to" in text
 
 
+@pytest.mark.slow
+def test_train_notebook_runs_dpo_and_plots_its_rewards(tmp_path, cache_dir):
+    """objective=dpo through the same notebook: the embedded preference set (data_path ""),
+    DPO's metrics in metrics.jsonl/eval.jsonl and summary.json, the reward panels drawn."""
+    import papermill
+
+    output_dir = tmp_path / "dpo"
+    papermill.execute_notebook(
+        str(NOTEBOOKS / "train.ipynb"), str(tmp_path / "dpo.out.ipynb"),
+        parameters=dict(model="gemma3-tiny", checkpoint="", lora_rank=0, objective="dpo",
+                        batch_size=8, maxlen=512, max_steps=4, eval_every=2, embedded_stories=60,
+                        eval_fraction=0.1, tokenizer_vocab_size=2048, max_new_tokens=8,
+                        output_dir=str(output_dir), cache_dir=str(cache_dir)),
+        kernel_name="python3", progress_bar=False, cwd=str(tmp_path),
+    )
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["objective"] == "dpo" and summary["data"]["data_format"] == "preferences"
+    assert summary["initial_eval_loss"] == pytest.approx(0.693147, abs=1e-5)  # policy = reference
+    assert summary["final_eval_pairs"] == summary["data"]["eval_pairs"] > 0
+    rows = [json.loads(x) for x in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and {"reward_accuracy", "reward_margin", "chosen_logp",
+                               "rejected_logp", "kl_estimate"} <= rows[-1].keys()
+    evals = [json.loads(x) for x in (output_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2, 4] and "eval_reward_accuracy" in evals[-1]
+    executed = json.loads((tmp_path / "dpo.out.ipynb").read_text())
+    figures = [o for c in executed["cells"] for o in c.get("outputs", [])
+               if "image/png" in o.get("data", {})]
+    assert figures and "params saved to" in json.dumps(executed)
+
+
 def test_notebooks_have_a_parameters_cell_and_thin_cells():
     for path in NOTEBOOKS.glob("*.ipynb"):
         notebook = json.loads(path.read_text())
