@@ -316,11 +316,9 @@ def evaluate(eval_step: Callable, params: Any, batches: list[dict[str, np.ndarra
         return {"eval_loss": float("nan"), "eval_perplexity": float("nan")}
     means = {k: float(v) for k, v in sums_metrics(np.float64(total), sums).items()}
     loss = means.pop("loss")
-    if "pairs" in sums:  # perplexity of the chosen replies: -log p per chosen token
-        nll_per_token = -sums["chosen_logp"] / max(sums["chosen_tokens"], 1.0)
-    else:
-        nll_per_token = loss
-    out = {"eval_loss": loss, "eval_perplexity": float(np.exp(min(nll_per_token, 80.0)))}
-    if "pairs" in sums:
-        out.update({f"eval_{k}": v for k, v in means.items() if k != "useful_tokens"})
-    return out
+    if "pairs" not in sums:
+        return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 80.0)))}
+    # DPO: the perplexity of the chosen replies (-log p per chosen token), and the pairs' means.
+    nll_per_token = -sums["chosen_logp"] / max(sums["chosen_tokens"], 1.0)
+    return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(nll_per_token, 80.0))),
+            **{f"eval_{k}": v for k, v in means.items() if k != "useful_tokens"}}
