@@ -265,7 +265,9 @@ class WindowSource:
         pairs = np.maximum(split.lengths - 1, 0)
         windows = -(-pairs // maxlen)
         if self.group > 1:
-            _require_whole_units(pairs, self.group, maxlen)
+            totals = unit_pairs(split.lengths, self.group)
+            require_units_fit(int(np.sum(totals > maxlen)), len(totals),
+                              int(totals.max(initial=0)), maxlen)
         self.doc = np.repeat(np.arange(split.num_docs), windows)
         first_window = np.repeat(np.cumsum(windows) - windows, windows)
         self.start = split.offsets[self.doc] + (np.arange(len(self.doc)) - first_window) * maxlen
@@ -320,20 +322,24 @@ class WindowSource:
         return self.num_targets if mask is None else int(np.sum(mask, dtype=np.int64))
 
 
-def _require_whole_units(pairs: np.ndarray, group: int, maxlen: int) -> None:
-    """Each unit of ``group`` documents (``pairs``: next-token pairs of each) fits one row."""
+def unit_pairs(lengths: np.ndarray, group: int) -> np.ndarray:
+    """The next-token pairs of each unit of ``group`` consecutive documents (of ``lengths``
+    tokens): what one row must hold for a preference pair (``group`` 2)."""
+    if len(lengths) % group:
+        raise ValueError(f"{len(lengths)} documents do not make units of {group}")
+    return np.maximum(np.asarray(lengths) - 1, 0).reshape(-1, group).sum(axis=1)
+
+
+def require_units_fit(too_long: int, units: int, longest: int, maxlen: int) -> None:
+    """Refuse preference data with ``too_long`` of its ``units`` pairs over ``maxlen`` (the
+    longest ``longest`` next-token pairs), naming the ``maxlen`` that fits."""
     from gemmalab.errors import ConfigError
 
-    if len(pairs) % group:
-        raise ValueError(f"{len(pairs)} documents do not make units of {group}")
-    totals = pairs.reshape(-1, group).sum(axis=1)
-    too_long = int(np.sum(totals > maxlen))
     if too_long:
-        raise ConfigError("maxlen", f"{too_long} of {len(totals)} preference pairs take more "
-                          f"than {maxlen} tokens with both replies (the longest "
-                          f"{int(totals.max())}); a pair is never cut, and both replies share "
-                          "one row", f"raise maxlen to {int(totals.max())} or more, or "
-                          "shorten those records")
+        raise ConfigError("maxlen", f"{too_long} of {units} preference pairs take more than "
+                          f"{maxlen} tokens with both replies (the longest {longest}); a pair is "
+                          "never cut, and both replies share one row",
+                          f"raise maxlen to {longest} or more, or shorten those records")
 
 
 # Windows whose lengths estimate how full packed rows get: the training packer plans a million

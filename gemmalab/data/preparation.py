@@ -157,17 +157,15 @@ def _require_pairs_fit(cache: TokenCache, maxlen: int) -> None:
     """Preference data: every process refuses (with the same one-line error) when any
     process's pair exceeds ``maxlen``, rather than one process stopping while the others wait
     for it in a collective."""
-    longest = max(int((split.lengths.reshape(-1, 2) - 1).sum(axis=1).max(initial=0))
-                  for split in (cache.train, cache.eval))
+    totals = np.concatenate([packing.unit_pairs(split.lengths, split.group)
+                             for split in (cache.train, cache.eval)])
+    local = np.asarray([np.sum(totals > maxlen), len(totals), totals.max(initial=0)], np.int64)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        longest = int(np.max(multihost_utils.process_allgather(np.asarray([longest], np.int64))))
-    if longest > maxlen:
-        raise ConfigError("maxlen", f"a preference pair takes {longest} tokens with both "
-                          f"replies, more than maxlen={maxlen}; a pair is never cut, and both "
-                          "replies share one row", f"raise maxlen to {longest} or more, or "
-                          "shorten the longest records")
+        found = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 3)
+        local = np.asarray([*found[:, :2].sum(axis=0), found[:, 2].max()])
+    packing.require_units_fit(*(int(v) for v in local), maxlen)
 
 
 def data_stats(corpus_: Corpus, cache: TokenCache, windows: WindowSource) -> dict[str, Any]:
