@@ -50,6 +50,11 @@ _IMAGE = re.compile(
 )
 
 
+def is_dns_1035_label(name: str) -> bool:
+    """A valid Job/JobSet/Service name: lowercase letters, digits, '-', a letter first."""
+    return isinstance(name, str) and bool(_DNS_1035.match(name)) and len(name) <= MAX_NAME
+
+
 def package_version() -> str:
     """gemmalab's version: the tag of the placeholder image."""
     return importlib.metadata.version("gemmalab")

@@ -11,7 +11,6 @@ from typing import Any
 from kubernetes import client
 
 from gemmalab.k8s import gcsfuse
-from gemmalab.k8s.kueue import QUEUE_LABEL
 from gemmalab.k8s.config import (
     CACHE_MOUNT,
     JAX_COORDINATOR_PORT,
@@ -20,6 +19,7 @@ from gemmalab.k8s.config import (
     RUN_AS_USER,
     ClusterConfig,
 )
+from gemmalab.k8s.kueue import QUEUE_LABEL
 from gemmalab.k8s.notebook import papermill_argv
 from gemmalab.k8s.run_notebook import PREEMPTED_EXIT_CODE
 
