@@ -175,8 +175,7 @@ def _job(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    values = sweeps.expand(sweeps.parse_grid(args.grid),
-                           sweeps.load_points(args.points) if args.points else ())
+    values = sweeps.sweep_values(args.grid, args.points or ())
     if args.local:
         points = sweeps.local_sweep(args.job_name, _params(args), values,
                                     output_root=args.output_root, yes=args.yes)

@@ -94,6 +94,14 @@ def expand(grid: Mapping[str, Sequence[Any]],
     return expanded
 
 
+def sweep_values(grid: Mapping[str, Sequence[Any]] | Sequence[str] = (),
+                 points: str | Path | Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The points of a grid (one mapping, or ``-y`` texts) and/or a list of parameter sets (or
+    its YAML file): what the CLI and launch.ipynb pass to ``cluster_sweep``/``local_sweep``."""
+    entries = [grid] if isinstance(grid, Mapping) else list(grid)
+    return expand(parse_grid([e for e in entries if e]), load_points(points) if points else ())
+
+
 def check_size(count: int, yes: bool) -> None:
     require(count >= 1, "sweep", "has no points", "give -y NAME: [values] or --points FILE")
     require(count <= MAX_POINTS_WITHOUT_YES or yes, "sweep",
@@ -159,15 +167,19 @@ def point_names(base: str, values: Sequence[Mapping[str, Any]], limit: int = MAX
 # ---- on the cluster --------------------------------------------------------------------------
 
 
-def cluster_sweep(template: Mapping[str, Any], values: Sequence[Mapping[str, Any]], *,
-                  yes: bool = False) -> list[ClusterConfig]:
-    """One ClusterConfig per point: ``template``'s fields (``job_name`` is the base name,
-    ``params`` the fixed parameters, ``queue`` shared by all) with the point's values on top.
+def cluster_sweep(template: ClusterConfig | Mapping[str, Any],
+                  values: Sequence[Mapping[str, Any]], *, yes: bool = False
+                  ) -> list[ClusterConfig]:
+    """One ClusterConfig per point: ``template``'s fields (a ClusterConfig or its fields:
+    ``job_name`` is the base name, ``params`` the fixed parameters, ``queue`` shared by all)
+    with the point's values on top.
 
     Every point is built (so validated: names, TrainConfig, batch vs devices) before the caller
     renders any; the first bad one raises a ConfigError naming the point.
     """
     check_size(len(values), yes)
+    if isinstance(template, ClusterConfig):
+        template = {f.name: getattr(template, f.name) for f in dataclasses.fields(template)}
     base = ClusterConfig(**template)  # the base name and the shared fields, checked once
     limit = MAX_NAME - (len(base.longest_pod_name) - len(base.job_name))
     names = point_names(base.job_name, values, limit)
