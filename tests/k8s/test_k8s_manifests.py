@@ -13,8 +13,8 @@ import yaml
 from k8s_helpers import (
     HUB_FILE,
     K8S,
-    KUEUE_FILES,
     KUBERNETES_VERSION,
+    KUEUE_FILES,
     ROOT,
     TRAINING_FILES,
     as_job,
