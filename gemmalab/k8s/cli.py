@@ -188,7 +188,10 @@ def _sweep(args: argparse.Namespace) -> int:
     configs = sweeps.cluster_sweep(_cluster_fields(args), values, yes=args.yes)
     for config in configs:
         sys.stdout.write(render(manifests.build(config), header=_header(config)))
-    print(f"{len(configs)} runs: {', '.join(c.job_name for c in configs)}", file=sys.stderr)
+    dirs = " ".join(f"gs://{c.resolved_outputs_bucket}/{c.job_name}" for c in configs)
+    print(f"{len(configs)} runs: {', '.join(c.job_name for c in configs)}\n"
+          f"their table, as they finish: python -m gemmalab.inspect.sweep {dirs}",
+          file=sys.stderr)
     return 0
 
 
