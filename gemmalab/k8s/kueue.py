@@ -17,7 +17,7 @@ from typing import Any
 from gemmalab.k8s import accelerators
 from gemmalab.k8s.config import ClusterConfig
 
-KUEUE_VERSION = "v0.19.2"  # scripts/gke/install-kueue.sh installs it; the test schemas are its
+KUEUE_VERSION = "v0.19.2"  # what install-kueue.sh installs; the tests use its CRD schemas
 KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"  # the storage version of that release
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
