@@ -83,12 +83,18 @@ def test_launch_notebook_renders_without_a_cluster(tmp_path):
 
     papermill.execute_notebook(
         str(NOTEBOOKS / "launch.ipynb"), str(tmp_path / "launch.out.ipynb"),
-        parameters=dict(topology="2x4", job_name="nb-test"), kernel_name="python3",
-        progress_bar=False, cwd=str(tmp_path))
+        parameters=dict(topology="2x4", job_name="nb-test", queue="gemmalab",
+                        sweep_grid={"learning_rate": [1e-4, 2e-4]}),
+        kernel_name="python3", progress_bar=False, cwd=str(tmp_path))
     text = json.loads((tmp_path / "launch.out.ipynb").read_text())
     outputs = json.dumps([c.get("outputs", []) for c in text["cells"]])
     assert "kind: JobSet" in outputs and "nb-test" in outputs
+    assert "kueue.x-k8s.io/queue-name: gemmalab" in outputs
     assert "submit=False: nothing was sent to the cluster." in outputs
+    # The sweep: one run per point, named and validated, nothing submitted.
+    assert "nb-test-0-lr1e-4 {'learning_rate': 0.0001}" in outputs
+    assert "nb-test-1-lr2e-4 {'learning_rate': 0.0002}" in outputs
+    assert "created:" not in outputs
 
 
 @pytest.mark.slow

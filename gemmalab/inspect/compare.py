@@ -1,11 +1,12 @@
 """Base vs fine-tuned: samples side by side, held-out perplexity, and for instruction runs the
-task metric (sample_compare.ipynb)."""
+task metric (sample_compare.ipynb); several fine-tuned runs at once (a sweep's) side by side."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ from gemmalab.data.fact_matching import Reply, judge
 from gemmalab.data.preparation import PreparedData, prepare_data
 from gemmalab.errors import ConfigError
 from gemmalab.inspect import reports
+from gemmalab.inspect.sweep import run_dirs
 from gemmalab.inspect.task_metric import score_summary
 from gemmalab.model import mesh, presets, sampling, sharding
 from gemmalab.train import optimization
@@ -56,6 +58,46 @@ def load_run(output_dir: str) -> Run:
     model = presets.build_model(presets.config_from_dict(summary["model_config"]),
                                 param_dtype=jnp.dtype(config.param_dtype))
     return Run(output_dir=output_dir, config=config, summary=summary, model=model, data=prepared)
+
+
+def load_runs(finetuned: str | Sequence[str]) -> list[Run]:
+    """One run (its ``output_dir``) or several: a list of output_dirs, a glob
+    (``runs/my-sweep/*``) or a sweep's directory. The first run's model, tokenizer and held-out
+    split serve them all, so they must share model and tokenizer (a sweep's points do)."""
+    dirs = list(run_dirs(finetuned).values())
+    if not dirs:
+        raise ConfigError("finetuned", "names no run", "give an output_dir, a list or a glob")
+    first = load_run(dirs[0])
+    runs = [first]
+    for output_dir in dirs[1:]:
+        path = f"{output_dir}/summary.json"
+        if not storage.exists(path):
+            raise ConfigError("finetuned", f"no summary.json in {output_dir}",
+                              "leave out runs that have not finished")
+        summary = json.loads(storage.read_bytes(path))
+        config = TrainConfig.from_dict(summary["params"])
+        for what, mine, theirs in (
+                ("model", summary["model_config"], first.summary["model_config"]),
+                ("tokenizer", (config.tokenizer, config.tokenizer_vocab_size, config.data_path),
+                 (first.config.tokenizer, first.config.tokenizer_vocab_size,
+                  first.config.data_path))):
+            if mine != theirs:
+                raise ConfigError("finetuned", f"{output_dir} has another {what} than "
+                                  f"{first.output_dir}",
+                                  "compare runs of one model and tokenizer (e.g. one sweep)")
+        runs.append(Run(output_dir=output_dir, config=config, summary=summary, model=first.model,
+                        data=first.data))
+    return runs
+
+
+def contenders_of(runs: Sequence[Run], base_checkpoint: str = "run") -> list[Contender]:
+    """One run: its ``lineage``. Several: the first run's base, then every run, named by its
+    directory (a sweep's point names)."""
+    if len(runs) == 1:
+        return lineage(runs[0], base_checkpoint)
+    named = [Contender(run.output_dir.rstrip("/").rsplit("/", 1)[-1],
+                       orbax_params.load_params(f"{run.output_dir}/params")) for run in runs]
+    return [base_params(runs[0], base_checkpoint), *named]
 
 
 def finetuned_params(run: Run) -> Contender:
@@ -237,7 +279,10 @@ def perplexity_figure(table: Any) -> Any:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(5, 3))
-    axis.bar(table.index, table["perplexity"], color=["tab:gray", "tab:green"][: len(table)])
+    axis.bar(table.index, table["perplexity"],
+             color=["tab:gray", *["tab:green"] * (len(table) - 1)])
+    if len(table) > 2:  # a sweep's run names
+        axis.tick_params(axis="x", labelrotation=30)
     axis.set_yscale("log")
     axis.set_ylabel("held-out perplexity (log scale)")
     for i, value in enumerate(table["perplexity"]):

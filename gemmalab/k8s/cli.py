@@ -3,7 +3,11 @@
     python -m gemmalab.k8s render --project my-gcp-project          # rewrite k8s/*.yaml
     python -m gemmalab.k8s render --check                           # fail if k8s/ is stale
     python -m gemmalab.k8s job --accelerator v6e --topology 2x4 --name my-run \\
-        -p model gemma3-270m -p batch_size 128 > my-run.yaml
+        -p model gemma3-270m -p batch_size 128 --queue gemmalab > my-run.yaml
+    python -m gemmalab.k8s sweep --name lr-rank --queue gemmalab \\
+        -y "learning_rate: [1e-4, 2e-4]" -y "lora_rank: [8, 16]" > sweep.yaml
+    python -m gemmalab.k8s sweep --local --name tiny -p model gemma3-tiny -p max_steps 20 \\
+        -y "learning_rate: [1e-3, 3e-3]"                        # here, one point after another
 """
 
 from __future__ import annotations
@@ -14,10 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from gemmalab.errors import ConfigError
 from gemmalab.k8s import manifests, standard
+from gemmalab.k8s import sweep as sweeps
 from gemmalab.k8s.config import (
     DEFAULT_PROJECT,
     DEFAULT_REGION,
@@ -25,7 +28,7 @@ from gemmalab.k8s.config import (
     DEFAULT_ZONE,
     ClusterConfig,
 )
-from gemmalab.k8s.notebook import REPO_ROOT
+from gemmalab.k8s.notebook import REPO_ROOT, load_yaml
 from gemmalab.k8s.render import render
 
 
@@ -73,20 +76,68 @@ def parser() -> argparse.ArgumentParser:
         "job", help="print the Job/JobSet of one run",
         description="Print the manifest of one training run (a Job on one host, a JobSet on "
                     "several). Parameter values are YAML: 128 is a number, '128' a string.")
-    job_cmd.add_argument("--name", dest="job_name", default="gemma3-train", help="job name")
-    job_cmd.add_argument("--accelerator", default="v6e", help="v5e, v5p, v6e, h100 or h200")
-    job_cmd.add_argument("--topology", default="1x1", help="TPU topology, e.g. 2x4")
-    job_cmd.add_argument("--slices", dest="num_slices", type=int, default=1,
-                         help="TPU slices (multislice)")
-    job_cmd.add_argument("--chips-per-host", dest="chips_per_host", type=int)
-    job_cmd.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=8)
-    job_cmd.add_argument("--nodes", dest="num_nodes", type=int, default=1, help="GPU nodes")
-    job_cmd.add_argument("-p", "--param", nargs=2, action="append", default=[],
-                         metavar=("NAME", "VALUE"), help="notebook parameter (repeatable)")
-    job_cmd.add_argument("--profiling", action="store_true", help="open the XProf port 9002")
-    job_cmd.add_argument("--max-restarts", dest="max_restarts", type=int, default=0)
-    _site_arguments(job_cmd)
+    _run_arguments(job_cmd, default_name="gemma3-train")
+
+    sweep_cmd = commands.add_parser(
+        "sweep", help="print one queued Job/JobSet per point of a grid, or run them here",
+        description="One training run per point: the cartesian product of the -y entries "
+                    "(each NAME: [values]), or the parameter sets of --points, or each set "
+                    "crossed with the grid. Every point gets its own name (NAME-INDEX-values) "
+                    "and output_dir; on GKE all share --queue. Every point is validated "
+                    "before anything is printed or run. More than "
+                    f"{sweeps.MAX_POINTS_WITHOUT_YES} points need --yes.")
+    _run_arguments(sweep_cmd, default_name="sweep")
+    sweep_cmd.add_argument("-y", "--grid", action="append", default=[], metavar="YAML",
+                           help='swept parameters, e.g. -y "lora_rank: [8, 16]" (repeatable)')
+    sweep_cmd.add_argument("--points", metavar="FILE.yaml",
+                           help="a YAML list of parameter sets, e.g. - {learning_rate: 1e-4}")
+    sweep_cmd.add_argument("--yes", action="store_true",
+                           help=f"allow more than {sweeps.MAX_POINTS_WITHOUT_YES} points")
+    sweep_cmd.add_argument("--local", action="store_true",
+                           help="run the points here, one after another (papermill), instead")
+    sweep_cmd.add_argument("--output-dir", dest="output_root", default="",
+                           help="--local: where the points write (default runs/NAME)")
     return top
+
+
+def _run_arguments(parser: argparse.ArgumentParser, default_name: str) -> None:
+    parser.add_argument("--name", dest="job_name", default=default_name,
+                        help=f"job name (default {default_name})")
+    parser.add_argument("--accelerator", default="v6e", help="v5e, v5p, v6e, h100 or h200")
+    parser.add_argument("--topology", default="1x1", help="TPU topology, e.g. 2x4")
+    parser.add_argument("--slices", dest="num_slices", type=int, default=1,
+                        help="TPU slices (multislice)")
+    parser.add_argument("--chips-per-host", dest="chips_per_host", type=int)
+    parser.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=8)
+    parser.add_argument("--nodes", dest="num_nodes", type=int, default=1, help="GPU nodes")
+    parser.add_argument("-p", "--param", nargs=2, action="append", default=[],
+                        metavar=("NAME", "VALUE"), help="notebook parameter (repeatable)")
+    parser.add_argument("--queue", default="",
+                        help="Kueue LocalQueue to submit to (k8s/kueue-v6e.yaml: gemmalab); "
+                             "default: none, the run starts at once")
+    parser.add_argument("--profiling", action="store_true", help="open the XProf port 9002")
+    parser.add_argument("--max-restarts", dest="max_restarts", type=int, default=0)
+    _site_arguments(parser)
+
+
+def _cluster_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """ClusterConfig fields of the job/sweep command line (the site's only where given)."""
+    fields = {k: v for k, v in _site(args).items() if v is not None}
+    return dict(**fields, job_name=args.job_name, accelerator=args.accelerator,
+                topology=args.topology, num_slices=args.num_slices,
+                chips_per_host=args.chips_per_host, gpus_per_node=args.gpus_per_node,
+                num_nodes=args.num_nodes, params=_params(args), profiling=args.profiling,
+                max_restarts=args.max_restarts, queue=args.queue)
+
+
+def _params(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: load_yaml(value) for name, value in args.param}
+
+
+def _header(config: ClusterConfig) -> str:
+    queued = f", queue {config.queue}" if config.queue else ""
+    return (f"{config.job_name}: {config.describe()}, {config.total_hosts} pod(s) x "
+            f"{config.devices_per_host} device(s){queued}")
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -118,24 +169,36 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _job(args: argparse.Namespace) -> int:
-    params = {name: yaml.safe_load(value) for name, value in args.param}
-    fields = {k: v for k, v in _site(args).items() if v is not None}
-    config = ClusterConfig(
-        **fields, job_name=args.job_name, accelerator=args.accelerator, topology=args.topology,
-        num_slices=args.num_slices, chips_per_host=args.chips_per_host,
-        gpus_per_node=args.gpus_per_node, num_nodes=args.num_nodes, params=params,
-        profiling=args.profiling, max_restarts=args.max_restarts)
-    sys.stdout.write(render(manifests.build(config),
-                            header=f"{config.job_name}: {config.describe()}, "
-                                   f"{config.total_hosts} pod(s) x {config.devices_per_host} "
-                                   "device(s)"))
+    config = ClusterConfig(**_cluster_fields(args))
+    sys.stdout.write(render(manifests.build(config), header=_header(config)))
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    values = sweeps.sweep_values(args.grid, args.points or ())
+    if args.local:
+        points = sweeps.local_sweep(args.job_name, _params(args), values,
+                                    output_root=args.output_root, yes=args.yes)
+        statuses = sweeps.run_local(points, log=lambda line: print(line, file=sys.stderr))
+        failed = [name for name, status in statuses.items() if status]
+        root = str(Path(points[0].output_dir).parent)
+        print(f"{len(points) - len(failed)} of {len(points)} points finished; the table: "
+              f"python -m gemmalab.inspect.sweep {root}", file=sys.stderr)
+        return 1 if failed else 0
+    configs = sweeps.cluster_sweep(_cluster_fields(args), values, yes=args.yes)
+    for config in configs:
+        sys.stdout.write(render(manifests.build(config), header=_header(config)))
+    dirs = " ".join(f"gs://{c.resolved_outputs_bucket}/{c.job_name}" for c in configs)
+    print(f"{len(configs)} runs: {', '.join(c.job_name for c in configs)}\n"
+          f"their table, as they finish: python -m gemmalab.inspect.sweep {dirs}",
+          file=sys.stderr)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return _render(args) if args.command == "render" else _job(args)
+        return {"render": _render, "job": _job, "sweep": _sweep}[args.command](args)
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         return 2

@@ -50,9 +50,52 @@ _IMAGE = re.compile(
 )
 
 
+def is_dns_1035_label(name: str) -> bool:
+    """A valid Job/JobSet/Service name: lowercase letters, digits, '-', a letter first."""
+    return isinstance(name, str) and bool(_DNS_1035.match(name)) and len(name) <= MAX_NAME
+
+
 def package_version() -> str:
     """gemmalab's version: the tag of the placeholder image."""
     return importlib.metadata.version("gemmalab")
+
+
+def check_notebook_params(params: Any, notebook: str = NOTEBOOK, *,
+                          managed: tuple[str, ...] = MANAGED_PARAMS,
+                          managed_by: str = "the cluster config",
+                          managed_fix: str = f"leave it out: outputs go to {OUTPUTS_MOUNT}/"
+                                             f"<job_name>, the cache to {CACHE_MOUNT}"
+                          ) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """Check papermill parameters for ``notebook`` before anything runs: names the notebook
+    takes (its parameters cell and every TrainConfig field) and not ``managed`` by the caller
+    (``managed_by``), values TrainConfig accepts. Returns the resolved TrainConfig and the
+    notebook's defaults (None when the notebook is not at hand, e.g. inside the image)."""
+    if not isinstance(params, Mapping):
+        raise ConfigError("params", f"{type(params).__name__} is not a dict",
+                          "pass papermill parameters as {name: value}")
+    # The repository's notebook when it is at hand (not inside the image): unknown names
+    # would be injected by papermill and silently ignored by the notebook.
+    defaults = notebook_parameters() if notebook == NOTEBOOK else None
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    # The notebook takes the names of its parameters cell and every TrainConfig field.
+    known = None if defaults is None else {*defaults, *train_fields}
+    for name in params:
+        require(isinstance(name, str) and name.isidentifier(), "params",
+                f"{name!r} is not a parameter name", "use the notebook's variable names")
+        require(name not in managed, f"params.{name}", f"is set from {managed_by}",
+                managed_fix)
+        if known is not None:
+            require(name in known, f"params.{name}", f"is not a parameter of {notebook}",
+                    f"use one of {', '.join(sorted(set(known) - set(managed)))}")
+    values = {k: v for k, v in params.items() if k in train_fields}
+    try:
+        resolved = TrainConfig(**values)
+    except ConfigError as e:
+        raise ConfigError(f"params.{e.parameter}", e.problem, e.fix) from None
+    except TypeError as e:
+        raise ConfigError("params", f"a value has the wrong type ({e})",
+                          "use the types of the notebook's defaults") from None
+    return resolved, defaults
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,11 +130,20 @@ class ClusterConfig:
     active_deadline_s: int | None = None  # hard wall-clock limit on the run
     cache_size_gi: int = 20  # emptyDir for the cache dir (node boot disk)
 
+    # Kueue (gemmalab.k8s.kueue): the LocalQueue a run is submitted to ("" = not queued: the run
+    # starts as soon as it is created). For rendering the queue itself: how many slices of each
+    # topology it admits at once (the google.com/tpu quota), and whether admission waits for
+    # GKE's flex-start (Dynamic Workload Scheduler) to provision the nodes.
+    queue: str = ""
+    queue_quota: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    flex_start: bool = False
+
     def __post_init__(self) -> None:
         self._check_names()
         self._check_accelerator()
         self._check_params()
         self._check_lifecycle()
+        self._check_queue()
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -161,36 +213,8 @@ class ClusterConfig:
                 f"shorten job_name by {len(pod) - MAX_NAME} characters")
 
     def _check_params(self) -> None:
-        if not isinstance(self.params, Mapping):
-            raise ConfigError("params", f"{type(self.params).__name__} is not a dict",
-                              "pass papermill parameters as {name: value}")
+        resolved, defaults = check_notebook_params(self.params, self.notebook)
         object.__setattr__(self, "params", types.MappingProxyType(dict(self.params)))
-        # The repository's notebook when it is at hand (not inside the image): unknown names
-        # would be injected by papermill and silently ignored by the notebook.
-        defaults = notebook_parameters() if self.notebook == NOTEBOOK else None
-        # The notebook takes the names of its parameters cell and every TrainConfig field.
-        known = (None if defaults is None
-                 else {*defaults, *(f.name for f in dataclasses.fields(TrainConfig))})
-        for name in self.params:
-            require(isinstance(name, str) and name.isidentifier(), "params",
-                    f"{name!r} is not a parameter name", "use the notebook's variable names")
-            require(name not in MANAGED_PARAMS, f"params.{name}",
-                    "is set from the cluster config",
-                    f"leave it out: outputs go to {OUTPUTS_MOUNT}/<job_name>, the cache to "
-                    f"{CACHE_MOUNT}")
-            if known is not None:
-                require(name in known, f"params.{name}",
-                        f"is not a parameter of {self.notebook}",
-                        f"use one of {', '.join(sorted(set(known) - set(MANAGED_PARAMS)))}")
-        train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-        values = {k: v for k, v in self.params.items() if k in train_fields}
-        try:
-            resolved = TrainConfig(**values)
-        except ConfigError as e:
-            raise ConfigError(f"params.{e.parameter}", e.problem, e.fix) from None
-        except TypeError as e:
-            raise ConfigError("params", f"a value has the wrong type ({e})",
-                              "use the types of the notebook's defaults") from None
         # None (the notebook's default): the model's own default batch, as the run resolves it.
         batch = (self.params.get("batch_size") or (defaults or {}).get("batch_size")
                  or resolved.batch_size)
@@ -225,6 +249,31 @@ class ClusterConfig:
                 "use e.g. 20 (GiB of node disk for corpora and token caches)")
         require(isinstance(self.profiling, bool), "profiling", "is not a bool",
                 "use True or False")
+
+    def _check_queue(self) -> None:
+        require(isinstance(self.queue, str) and (self.queue == "" or (
+            bool(_DNS_1123.match(self.queue)) and len(self.queue) <= MAX_NAME)), "queue",
+            f"{self.queue!r} is not a LocalQueue name",
+            "use lowercase letters, digits and '-' (at most 63), or '' for no queue")
+        require(isinstance(self.queue_quota, Mapping), "queue_quota",
+                f"{type(self.queue_quota).__name__} is not a dict",
+                "use {topology: slices}, e.g. {'2x4': 2}")
+        object.__setattr__(self, "queue_quota", types.MappingProxyType(dict(self.queue_quota)))
+        for topology, slices in self.queue_quota.items():
+            require(not self.is_gpu, "queue_quota", "is rendered for TPU slices",
+                    "use a TPU accelerator (e.g. v6e)")
+            accelerators.tpu_slice(self.accelerator, str(topology))
+            require(isinstance(slices, int) and not isinstance(slices, bool) and slices >= 1,
+                    f"queue_quota.{topology}", f"{slices!r} is not a number of slices",
+                    "use 1 or more (how many slices of that topology may run at once)")
+        require(isinstance(self.flex_start, bool), "flex_start", "is not a bool",
+                "use True or False")
+
+    def require_queue_setup(self) -> None:
+        """What rendering the Kueue objects needs beyond a run's fields."""
+        require(bool(self.queue), "queue", "is empty", "name the queue, e.g. gemmalab")
+        require(bool(self.queue_quota), "queue_quota", "is empty",
+                "give the slices the queue admits at once, e.g. {'1x1': 4, '2x4': 2}")
 
     # ---- derived values ---------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from gemmalab.k8s.config import (
     RUN_AS_USER,
     ClusterConfig,
 )
+from gemmalab.k8s.kueue import QUEUE_LABEL
 from gemmalab.k8s.notebook import papermill_argv
 from gemmalab.k8s.run_notebook import PREEMPTED_EXIT_CODE
 
@@ -42,6 +43,18 @@ ENTRYPOINT = ["/bin/sh", "-ec",
 def labels(config: ClusterConfig) -> dict[str, str]:
     return {"app.kubernetes.io/name": "gemmalab", "app.kubernetes.io/component": "training",
             INSTANCE_LABEL: config.job_name}
+
+
+def object_labels(config: ClusterConfig) -> dict[str, str]:
+    """The Job's or JobSet's own labels: ``labels`` plus, for a queued run, Kueue's queue label.
+
+    Only there (Kueue's docs: the JobSet's or Job's ``metadata.labels``): on the pod template
+    it would make Kueue's pod integration queue every pod again on its own. The run is not
+    created suspended: Kueue's webhook suspends it on creation and unsuspends it on admission.
+    """
+    if not config.queue:
+        return labels(config)
+    return {**labels(config), QUEUE_LABEL: config.queue}
 
 
 def notebook_params(config: ClusterConfig) -> dict[str, Any]:
@@ -192,7 +205,7 @@ def job(config: ClusterConfig) -> client.V1Job:
         api_version="batch/v1",
         kind="Job",
         metadata=client.V1ObjectMeta(name=config.job_name, namespace=config.namespace,
-                                     labels=labels(config)),
+                                     labels=object_labels(config)),
         spec=client.V1JobSpec(
             backoff_limit=config.backoff_limit,
             # An evicted pod is replaced without spending the backoff limit.
@@ -225,7 +238,7 @@ def jobset(config: ClusterConfig) -> dict[str, Any]:
         # scattered over several node pools of the same topology and never see each other.
         annotations[EXCLUSIVE_TOPOLOGY] = NODEPOOL_LABEL
     metadata: dict[str, Any] = {"name": config.job_name, "namespace": config.namespace,
-                                "labels": labels(config)}
+                                "labels": object_labels(config)}
     if annotations:
         metadata["annotations"] = annotations
     return {

@@ -6,6 +6,7 @@ import ast
 import functools
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,24 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Values papermill's `-p name value` turns into something other than the string itself.
 _SPECIAL_WORDS = ("True", "False", "None")
+
+
+class _Yaml12Floats(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where ``1e-4`` (no dot) is a string; here it is the float that
+    papermill's ``-p`` and YAML 1.2 make of it."""
+
+
+_Yaml12Floats.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$"
+               r"|^\.(nan|NaN|NAN)$"),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """A parameter value or a ``-y`` mapping as YAML (``128`` a number, ``'128'`` a string,
+    ``1e-4`` a float)."""
+    return yaml.load(text, Loader=_Yaml12Floats)  # noqa: S506 (a SafeLoader subclass)
 
 
 @functools.cache

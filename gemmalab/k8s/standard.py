@@ -1,12 +1,13 @@
 """The standard cases rendered into k8s/: the tutorial's runs on one host, two hosts, two slices,
-plus an H200 run and the JupyterHub values. ``render_standard()`` is what the CLI writes."""
+plus an H200 run, the JupyterHub values and the Kueue queues. ``render_standard()`` is what the
+CLI writes."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from gemmalab.k8s import manifests
+from gemmalab.k8s import kueue, manifests
 from gemmalab.k8s.accelerators import GPU_TYPES
 from gemmalab.k8s.config import ClusterConfig
 from gemmalab.k8s.jupyterhub import CHART, CHART_VERSION, hub_values
@@ -23,6 +24,10 @@ TUTORIAL_PARAMS: dict[str, Any] = {
     "datacount": 96_000,
 }
 
+# The standard queue: one LocalQueue (in the site's namespace) and ClusterQueue of that name.
+QUEUE = "gemmalab"
+QUEUE_QUOTA = {"1x1": 4, "2x4": 2}  # topology -> slices admitted at once
+
 # Fields of ClusterConfig a user overrides to render the standard cases for their project.
 SITE_FIELDS = ("project", "region", "zone", "namespace", "service_account", "data_bucket",
                "outputs_bucket", "image")
@@ -33,7 +38,7 @@ class Case:
     filename: str
     summary: str
     config: dict[str, Any]  # ClusterConfig fields on top of the site's
-    kind: str = "training"  # "training" | "jupyterhub"
+    kind: str = "training"  # "training" | "jupyterhub" | "kueue"
 
 
 CASES: tuple[Case, ...] = (
@@ -53,6 +58,13 @@ CASES: tuple[Case, ...] = (
     Case("jupyterhub-values.yaml",
          f"Helm values for {CHART} {CHART_VERSION}, CPU and TPU v6e 1x1/2x2 servers",
          dict(job_name="gemmalab-hub"), kind="jupyterhub"),
+    Case("kueue-v6e.yaml",
+         "Kueue queue 'gemmalab' for TPU v6e: 4 x 1x1 and 2 x 2x4 slices at once",
+         dict(job_name="gemmalab-queue", queue=QUEUE, queue_quota=QUEUE_QUOTA), kind="kueue"),
+    Case("kueue-v6e-flex-start.yaml",
+         "the same queue on flex-start node pools (GKE provisions a run's nodes at once)",
+         dict(job_name="gemmalab-queue", queue=QUEUE, queue_quota=QUEUE_QUOTA, flex_start=True),
+         kind="kueue"),
 )
 
 
@@ -71,6 +83,8 @@ def case_objects(case: Case, **site: Any) -> list[Any]:
     config = case_config(case, **site)
     if case.kind == "jupyterhub":
         return [hub_values(config)]
+    if case.kind == "kueue":
+        return kueue.queue_objects(config)
     return manifests.build(config)
 
 
@@ -82,6 +96,10 @@ def _header(case: Case, config: ClusterConfig) -> str:
         lines.append(f"Install: helm upgrade --install gemmalab-hub {CHART} --version "
                      f"{CHART_VERSION} \\")
         lines.append(f"    -n {config.namespace} -f k8s/{case.filename}")
+    elif case.kind == "kueue":
+        lines.append(f"Install: scripts/gke/install-kueue.sh{' --flex-start' * config.flex_start}"
+                     f" (Kueue {kueue.KUEUE_VERSION}, then this file);")
+        lines.append(f"runs join with `--queue {config.queue}` (label {kueue.QUEUE_LABEL}).")
     else:
         lines.append(f"Submit: kubectl apply -f k8s/{case.filename}")
     return "\n".join(lines)

@@ -17,6 +17,9 @@ KUBERNETES_VERSION = "1.33"  # validated offline by kubernetes-validate (it ship
 TRAINING_FILES = ("single-host-v6e-1x1.yaml", "multihost-v6e-2x4.yaml",
                   "multislice-2x-v6e-2x4.yaml", "gpu-h200.yaml")
 HUB_FILE = "jupyterhub-values.yaml"
+KUEUE_FILES = ("kueue-v6e.yaml", "kueue-v6e-flex-start.yaml")
+KUEUE_KINDS = ("ResourceFlavor", "ClusterQueue", "LocalQueue", "AdmissionCheck",
+               "ProvisioningRequestConfig")
 
 
 def load_docs(path: Path) -> list[dict[str, Any]]:
@@ -45,6 +48,17 @@ def jobset_validator():
 
     schema = json.loads((FIXTURES / "jobset-v0.11.1-v1alpha2.schema.json").read_text())
     return jsonschema.Draft7Validator(_strict(schema))
+
+
+@functools.cache
+def kueue_validator(kind: str):
+    """Kueue's own CRD schema of ``kind`` (v1beta2) from the release install-kueue.sh pins."""
+    import jsonschema
+
+    from gemmalab.k8s.kueue import KUEUE_VERSION
+
+    path = FIXTURES / f"kueue-{KUEUE_VERSION}-v1beta2-{kind.lower()}.schema.json"
+    return jsonschema.Draft7Validator(_strict(json.loads(path.read_text())))
 
 
 @functools.cache

@@ -14,6 +14,7 @@ from k8s_helpers import (
     HUB_FILE,
     K8S,
     KUBERNETES_VERSION,
+    KUEUE_FILES,
     ROOT,
     TRAINING_FILES,
     as_job,
@@ -45,7 +46,7 @@ def _validate(obj: dict) -> None:
 
 def test_standard_files_are_committed_and_up_to_date():
     rendered = standard.render_standard()
-    assert sorted(rendered) == sorted([*TRAINING_FILES, HUB_FILE])
+    assert sorted(rendered) == sorted([*TRAINING_FILES, HUB_FILE, *KUEUE_FILES])
     for name, text in rendered.items():
         committed = (K8S / name).read_text(encoding="utf-8")
         assert committed == text, f"k8s/{name} is stale: run `python -m gemmalab.k8s render`"

@@ -14,8 +14,8 @@ from k8s_helpers import ROOT
 from gemmalab.k8s import config
 
 GKE = ROOT / "scripts" / "gke"
-SCRIPTS = ("setup-cluster.sh", "install-jobset.sh", "setup-storage.sh", "upload-data.sh",
-           "teardown.sh")
+SCRIPTS = ("setup-cluster.sh", "install-jobset.sh", "install-kueue.sh", "setup-storage.sh",
+           "upload-data.sh", "teardown.sh")
 ALL = (*SCRIPTS, "common.sh")
 STUBBED = ("gcloud", "kubectl", "curl", "gsutil", "helm", "docker")
 FAKE_ENV = {"PROJECT_ID": "acme-research", "REGION": "europe-west4", "ZONE": "europe-west4-a",
@@ -127,6 +127,40 @@ def test_install_jobset_pins_one_version(stubs):
                for c in out)
     # The vendored JobSet schema the manifests are validated against is that release's.
     assert (ROOT / f"tests/k8s/fixtures/jobset-{version}-v1alpha2.schema.json").is_file()
+
+
+def test_install_kueue_pins_the_release_the_manifests_are_validated_against(stubs):
+    from gemmalab.k8s import kueue
+
+    text = (GKE / "install-kueue.sh").read_text()
+    [version] = re.findall(r'^KUEUE_VERSION="(v\d+\.\d+\.\d+)"$', text, re.MULTILINE)
+    assert version == kueue.KUEUE_VERSION
+    for kind in ("resourceflavor", "clusterqueue", "localqueue", "admissioncheck",
+                 "provisioningrequestconfig"):
+        assert (ROOT / f"tests/k8s/fixtures/kueue-{version}-v1beta2-{kind}.schema.json").is_file()
+    out = commands(dry_run("install-kueue.sh", stubs, NAMESPACE="default"))
+    assert out[1:] == [
+        "kubectl apply --server-side --force-conflicts -f https://github.com/kubernetes-sigs/"
+        f"kueue/releases/download/{version}/manifests.yaml",
+        "kubectl wait deployment/kueue-controller-manager -n kueue-system "
+        "--for=condition=available --timeout=300s",
+        f"kubectl apply -f {ROOT}/k8s/kueue-v6e.yaml"]
+    flex = commands(dry_run("install-kueue.sh", stubs, "--flex-start", NAMESPACE="default"))
+    assert flex[-1] == f"kubectl apply -f {ROOT}/k8s/kueue-v6e-flex-start.yaml"
+    mine = stubs / "team-a-queue.yaml"
+    mine.write_text("---\n")
+    out = commands(dry_run("install-kueue.sh", stubs, QUEUE_MANIFEST=str(mine)))  # team-a
+    assert out[-1] == f"kubectl apply -f {mine}"
+
+
+def test_install_kueue_refuses_the_default_namespaces_queue_for_another(stubs):
+    env = {"PATH": f"{stubs / 'bin'}:/usr/bin:/bin", "HOME": str(stubs), **FAKE_ENV}
+    refused = subprocess.run(["bash", str(GKE / "install-kueue.sh"), "--dry-run"], env=env,
+                             capture_output=True, text=True)
+    assert refused.returncode != 0
+    assert "in namespace default, not team-a" in refused.stderr
+    assert "--namespace team-a" in refused.stderr
+    assert not (stubs / "calls.log").exists()
 
 
 def test_setup_storage_binds_one_service_account_with_least_privilege(stubs):
