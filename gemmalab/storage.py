@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import glob as globbing
 import os
 from pathlib import Path
 
@@ -40,12 +41,17 @@ def require_gcs_credentials(parameter: str, path: str, *, fix: str = GCS_FIX) ->
                           "were found", fix)
 
 
-def open_binary(path: str | os.PathLike):
-    """Open a local or gs:// file for streaming reads."""
-    if is_gcs(path):
-        from etils import epath
+def _gcs_path(path: str | os.PathLike):
+    """The one way to a gs:// object (etils.epath); tests put a local folder behind it."""
+    from etils import epath
 
-        return epath.Path(path).open("rb")
+    return epath.Path(path)
+
+
+def open_binary(path: str | os.PathLike):
+    """Open a local or gs:// file for streaming (and seekable) reads."""
+    if is_gcs(path):
+        return _gcs_path(path).open("rb")
     return open(path, "rb")  # noqa: SIM115 - caller closes
 
 
@@ -56,27 +62,38 @@ def read_bytes(path: str | os.PathLike) -> bytes:
 
 def file_size(path: str | os.PathLike) -> int:
     if is_gcs(path):
-        from etils import epath
-
-        return epath.Path(path).stat().length
+        return _gcs_path(path).stat().length
     return os.path.getsize(path)
 
 
 def exists(path: str | os.PathLike) -> bool:
     if is_gcs(path):
-        from etils import epath
-
-        return epath.Path(path).exists()
+        return _gcs_path(path).exists()
     return os.path.exists(path)
+
+
+def has_wildcards(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
+def glob(pattern: str) -> list[str]:
+    """The files (not folders) a local or gs:// pattern (``*``, ``?``, ``[...]``; ``**`` spans
+    folders) matches, sorted by name."""
+    if not is_gcs(pattern):
+        return sorted(p for p in globbing.glob(pattern, recursive=True) if os.path.isfile(p))
+    parts = pattern.split("/")
+    fixed = next(i for i, part in enumerate(parts) if has_wildcards(part))
+    base, rest = "/".join(parts[:fixed]), "/".join(parts[fixed:])
+    root = _gcs_path(base)
+    return sorted(f"{base}/{match.relative_to(root)}" for match in root.glob(rest)
+                  if not match.is_dir())
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write a whole file: locally through a temporary file and a rename, so a reader (another
     process sharing the cache) never sees half of it; on gs:// as one object."""
     if is_gcs(path):
-        from etils import epath
-
-        epath.Path(path).write_bytes(data)
+        _gcs_path(path).write_bytes(data)
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
