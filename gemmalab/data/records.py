@@ -14,7 +14,8 @@ make a conversation as above. Both sides share the prompt; they must differ.
 
 The file is streamed line by line, never held in memory. ``validate`` reads it once before any
 tokenizing: the first bad record is a one-line ``ConfigError`` naming its line, or, with
-``skip_bad_records``, every bad record is counted and skipped.
+``skip_bad_records``, every bad record is counted and skipped. Parquet rows
+(``gemmalab.data.parquet``) are records too: ``checked`` and ``count_records`` judge them alike.
 """
 
 from __future__ import annotations
