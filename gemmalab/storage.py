@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob as globbing
+import io
 import os
 from pathlib import Path
 
@@ -48,11 +50,44 @@ def _gcs_path(path: str | os.PathLike):
     return epath.Path(path)
 
 
-def open_binary(path: str | os.PathLike):
-    """Open a local or gs:// file for streaming (and seekable) reads."""
+def open_binary(path: str | os.PathLike) -> io.BufferedIOBase:
+    """Open a local or gs:// file for streaming, seekable reads (a standard binary stream:
+    what pyarrow reads Parquet through)."""
     if is_gcs(path):
-        return _gcs_path(path).open("rb")
+        return io.BufferedReader(_ObjectReader(_gcs_path(path).open("rb")))
     return open(path, "rb")  # noqa: SIM115 - caller closes
+
+
+class _ObjectReader(io.RawIOBase):
+    """A gs:// object as a standard raw stream. epath's tf.io.gfile backend opens it as a
+    context manager around a GFile, which has no ``closed`` and whose ``seek`` returns None."""
+
+    def __init__(self, opened):
+        self._exit = contextlib.ExitStack()
+        self._handle = self._exit.enter_context(opened)  # a file's __enter__ is the file
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self._handle.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._handle.seek(offset, whence)
+        return self._handle.tell()
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._exit.close()
+        super().close()
 
 
 def read_bytes(path: str | os.PathLike) -> bytes:
@@ -77,16 +112,16 @@ def has_wildcards(pattern: str) -> bool:
 
 
 def glob(pattern: str) -> list[str]:
-    """The files (not folders) a local or gs:// pattern (``*``, ``?``, ``[...]``; ``**`` spans
-    folders) matches, sorted by name."""
+    """What a local or gs:// pattern (``*``, ``?``, ``[...]``; locally ``**`` spans folders)
+    matches, sorted by name: local files (not folders); gs:// objects (one listing, no call per
+    match)."""
     if not is_gcs(pattern):
         return sorted(p for p in globbing.glob(pattern, recursive=True) if os.path.isfile(p))
     parts = pattern.split("/")
     fixed = next(i for i, part in enumerate(parts) if has_wildcards(part))
     base, rest = "/".join(parts[:fixed]), "/".join(parts[fixed:])
     root = _gcs_path(base)
-    return sorted(f"{base}/{match.relative_to(root)}" for match in root.glob(rest)
-                  if not match.is_dir())
+    return sorted(f"{base}/{match.relative_to(root)}" for match in root.glob(rest))
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

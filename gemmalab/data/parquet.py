@@ -102,6 +102,9 @@ def expand(data_path: str) -> list[str]:
             if storage.has_wildcards(entry.removeprefix("gs://").split("/")[0]):
                 raise ConfigError("data_path", f"{entry} has a wildcard in its bucket name",
                                   "name the bucket; wildcards may follow it")
+            if "**" in entry:  # one listing per folder level: thousands of calls on GCS
+                raise ConfigError("data_path", f"{entry}: ** is not supported on gs://",
+                                  "name each folder level, e.g. gs://bucket/*/train-*.parquet")
             storage.require_gcs_credentials("data_path", entry)
         if storage.has_wildcards(entry):
             matches = storage.glob(entry)

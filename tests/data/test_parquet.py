@@ -2,6 +2,7 @@
 files and globs as one corpus; bad columns, types and rows as one-line errors; rows dealt to
 processes by row group; gs:// through the storage layer."""
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -368,15 +369,56 @@ def test_a_process_caches_only_its_share(story_shards, stories, tmp_path):
 # --- gs:// ---------------------------------------------------------------------------------
 
 
+class GFileLike:
+    """What epath's tf.io.gfile backend yields for a gs:// object: read, seek and tell, but no
+    ``closed``, and a ``seek`` that returns None."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
+
+    def read(self, n: int = -1) -> bytes:
+        return self._file.read(n)
+
+    def seek(self, offset: int, whence: int = 0) -> None:
+        self._file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class FakeObject:
+    """A gs:// path served from a local folder: epath's listing, a GFile-like to read."""
+
+    def __init__(self, local: Path):
+        from etils import epath
+
+        self._path = epath.Path(local)
+
+    def __getattr__(self, name: str):
+        return getattr(self._path, name)
+
+    def __fspath__(self) -> str:
+        return str(self._path)
+
+    @contextlib.contextmanager
+    def open(self, mode: str):
+        handle = GFileLike(str(self._path))
+        try:
+            yield handle
+        finally:
+            handle.close()
+
+
 @pytest.fixture
 def fake_gcs(tmp_path, monkeypatch) -> Path:
     """gs://bucket/... served from a local folder through the storage layer's one door."""
-    from etils import epath
-
     root = tmp_path / "gcs"
     monkeypatch.setattr(storage, "_gcs_credentials_found", lambda: True)
     monkeypatch.setattr(storage, "_gcs_path",
-                        lambda path: epath.Path(str(root / str(path).removeprefix("gs://"))))
+                        lambda path: FakeObject(root / str(path).removeprefix("gs://")))
     return root
 
 
@@ -391,6 +433,13 @@ def test_a_gs_glob_reads_through_the_storage_layer(fake_gcs, story_shards, stori
         "data_path: gs://bucket/data/test-*.parquet matches no file")
     assert _error("gs://b*/x.parquet", tmp_path).startswith(
         "data_path: gs://b*/x.parquet has a wildcard in its bucket name")
+    assert _error("gs://bucket/**/*.parquet", tmp_path).startswith(
+        "data_path: gs://bucket/**/*.parquet: ** is not supported on gs://")
+    (fake_gcs / "bucket" / "more" / "deeper").mkdir(parents=True)
+    shutil.copy(story_shards / "train-0001.parquet", fake_gcs / "bucket" / "more" / "deeper")
+    assert (list(documents.iter_documents("gs://bucket/*/train-0001.parquet,"
+                                          "gs://bucket/*/*/train-0001.parquet"))
+            == stories[133:266] * 2)
 
 
 def test_gs_without_credentials_fails_before_reading(monkeypatch, tmp_path):
