@@ -77,6 +77,9 @@ class _ObjectReader(io.RawIOBase):
         buffer[:len(data)] = data
         return len(data)
 
+    def readall(self) -> bytes:  # one read of the rest, not one per 8 KB
+        return self._handle.read()
+
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._handle.seek(offset, whence)
         return self._handle.tell()
