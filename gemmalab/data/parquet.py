@@ -33,6 +33,7 @@ from gemmalab import storage
 from gemmalab.errors import ConfigError
 
 BATCH_ROWS = 1024
+STREAM_BUFFER_BYTES = 8 << 20
 SUFFIXES = (".parquet", ".pq")
 MAGIC = b"PAR1"
 
@@ -284,7 +285,8 @@ def iter_rows(corpus: ParquetCorpus, wanted: Callable[[int, int], bool] | None =
         import pyarrow.parquet as pq
 
         with storage.open_binary(part.path) as f:
-            parquet_file = pq.ParquetFile(f)
+            # Pages streamed through a buffer: a row group's columns are never held whole.
+            parquet_file = pq.ParquetFile(f, buffer_size=STREAM_BUFFER_BYTES, pre_buffer=False)
             for g in groups:
                 row = starts[g]
                 for batch in parquet_file.iter_batches(batch_size=BATCH_ROWS, row_groups=[g],
