@@ -98,6 +98,7 @@ def expand(data_path: str) -> list[str]:
     """The files ``data_path`` names: entries separated by commas, each a file or a glob
     (sorted matches), in the order given, without repeats."""
     files: list[str] = []
+    seen: set[str] = set()
     for entry in _entries(data_path):
         if storage.is_gcs(entry):
             if storage.has_wildcards(entry.removeprefix("gs://").split("/")[0]):
@@ -121,7 +122,8 @@ def expand(data_path: str) -> list[str]:
                               f"name its files, e.g. {entry.rstrip('/')}/*.parquet")
         else:
             matches = [entry]
-        files.extend(m for m in matches if m not in files)
+        files.extend(dict.fromkeys(m for m in matches if m not in seen))
+        seen.update(matches)
     if not files:
         raise ConfigError("data_path", f"{data_path!r} names no file",
                           "name Parquet files, a glob of them, or a list separated by commas")
