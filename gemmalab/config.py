@@ -118,7 +118,8 @@ class TrainConfig:
 
     # Data.
     # "" = the embedded story corpus; EMBEDDED_INSTRUCTIONS = the embedded instruction set; else
-    # <|endoftext|>-separated text, or JSONL instruction/chat records (gemmalab.data.records).
+    # <|endoftext|>-separated text, JSONL instruction/chat records (gemmalab.data.records), or
+    # Parquet: a file, a glob or a comma-separated list of files (gemmalab.data.parquet).
     data_path: str = ""
     embedded_stories: int = 12_000  # Size of the embedded corpus (instruction/preference set).
     train_on_prompt: bool = False  # Chat data: loss on every token, not only the model's turns.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob as globbing
+import io
 import os
 from pathlib import Path
 
@@ -40,13 +43,54 @@ def require_gcs_credentials(parameter: str, path: str, *, fix: str = GCS_FIX) ->
                           "were found", fix)
 
 
-def open_binary(path: str | os.PathLike):
-    """Open a local or gs:// file for streaming reads."""
-    if is_gcs(path):
-        from etils import epath
+def _gcs_path(path: str | os.PathLike):
+    """The one way to a gs:// object (etils.epath); tests put a local folder behind it."""
+    from etils import epath
 
-        return epath.Path(path).open("rb")
+    return epath.Path(path)
+
+
+def open_binary(path: str | os.PathLike) -> io.BufferedIOBase:
+    """Open a local or gs:// file for streaming, seekable reads (a standard binary stream:
+    what pyarrow reads Parquet through)."""
+    if is_gcs(path):
+        return io.BufferedReader(_ObjectReader(_gcs_path(path).open("rb")))
     return open(path, "rb")  # noqa: SIM115 - caller closes
+
+
+class _ObjectReader(io.RawIOBase):
+    """A gs:// object as a standard raw stream. epath's tf.io.gfile backend opens it as a
+    context manager around a GFile, which has no ``closed`` and whose ``seek`` returns None."""
+
+    def __init__(self, opened):
+        self._exit = contextlib.ExitStack()
+        self._handle = self._exit.enter_context(opened)  # a file's __enter__ is the file
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self._handle.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def readall(self) -> bytes:  # one read of the rest, not one per 8 KB
+        return self._handle.read()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._handle.seek(offset, whence)
+        return self._handle.tell()
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._exit.close()
+        super().close()
 
 
 def read_bytes(path: str | os.PathLike) -> bytes:
@@ -56,27 +100,38 @@ def read_bytes(path: str | os.PathLike) -> bytes:
 
 def file_size(path: str | os.PathLike) -> int:
     if is_gcs(path):
-        from etils import epath
-
-        return epath.Path(path).stat().length
+        return _gcs_path(path).stat().length
     return os.path.getsize(path)
 
 
 def exists(path: str | os.PathLike) -> bool:
     if is_gcs(path):
-        from etils import epath
-
-        return epath.Path(path).exists()
+        return _gcs_path(path).exists()
     return os.path.exists(path)
+
+
+def has_wildcards(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
+def glob(pattern: str) -> list[str]:
+    """What a local or gs:// pattern (``*``, ``?``, ``[...]``; locally ``**`` spans folders)
+    matches, sorted by name: local files (not folders); gs:// objects (one listing, no call per
+    match)."""
+    if not is_gcs(pattern):
+        return sorted(p for p in globbing.glob(pattern, recursive=True) if os.path.isfile(p))
+    parts = pattern.split("/")
+    fixed = next(i for i, part in enumerate(parts) if has_wildcards(part))
+    base, rest = "/".join(parts[:fixed]), "/".join(parts[fixed:])
+    root = _gcs_path(base)
+    return sorted(f"{base}/{match.relative_to(root)}" for match in root.glob(rest))
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write a whole file: locally through a temporary file and a rename, so a reader (another
     process sharing the cache) never sees half of it; on gs:// as one object."""
     if is_gcs(path):
-        from etils import epath
-
-        epath.Path(path).write_bytes(data)
+        _gcs_path(path).write_bytes(data)
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,8 @@ make a conversation as above. Both sides share the prompt; they must differ.
 
 The file is streamed line by line, never held in memory. ``validate`` reads it once before any
 tokenizing: the first bad record is a one-line ``ConfigError`` naming its line, or, with
-``skip_bad_records``, every bad record is counted and skipped.
+``skip_bad_records``, every bad record is counted and skipped. Parquet rows
+(``gemmalab.data.parquet``) are records too: ``checked`` and ``count_records`` judge them alike.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import codecs
 import dataclasses
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from gemmalab import storage
@@ -56,15 +57,6 @@ def is_jsonl(path: str) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # One record.
-
-
-def parse_line(line: str) -> Conversation | PreferencePair:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise BadRecord(f"is not valid JSON ({e.msg} at column {e.colno})",
-                        "write one JSON object per line") from None
-    return parse_record(record)
 
 
 def parse_record(record: Any) -> Conversation | PreferencePair:
@@ -217,20 +209,30 @@ def iter_records(path: str, *, preferences: bool = False
         if not line.strip():
             continue
         try:
-            record = parse_line(line)
-        except BadRecord as bad:
-            yield number, bad
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            yield number, BadRecord(f"is not valid JSON ({e.msg} at column {e.colno})",
+                                    "write one JSON object per line")
             continue
-        if isinstance(record, PreferencePair) != preferences:
-            yield number, (BadRecord("is a preference record (it has 'chosen'/'rejected')",
-                                     "train on it with objective='dpo', or give it "
-                                     "'prompt'/'response' or 'messages'")
-                           if not preferences else
-                           BadRecord("has no 'chosen'/'rejected' (objective='dpo' trains on "
-                                     "preference pairs)",
-                                     'write {"prompt": ..., "chosen": ..., "rejected": ...}'))
-            continue
-        yield number, record
+        yield number, checked(record, preferences=preferences)
+
+
+def checked(record: Any, *, preferences: bool) -> Conversation | PreferencePair | BadRecord:
+    """One decoded record (a JSONL line's object, a Parquet row) as a conversation
+    (``preferences``: a preference pair), or what is wrong with it; a record of the other kind
+    is wrong too."""
+    try:
+        parsed = parse_record(record)
+    except BadRecord as bad:
+        return bad
+    if isinstance(parsed, PreferencePair) == preferences:
+        return parsed
+    if not preferences:
+        return BadRecord("is a preference record (it has 'chosen'/'rejected')",
+                         "train on it with objective='dpo', or give it 'prompt'/'response' or "
+                         "'messages'")
+    return BadRecord("has no 'chosen'/'rejected' (objective='dpo' trains on preference pairs)",
+                     'write {"prompt": ..., "chosen": ..., "rejected": ...}')
 
 
 def iter_conversations(path: str) -> Iterator[Conversation]:
@@ -257,24 +259,37 @@ def validate(path: str, *, skip_bad_records: bool, preferences: bool = False) ->
     """Read every record once; the first bad one is a ``ConfigError`` naming ``data_path``, its
     line and the fix, unless ``skip_bad_records`` (then they are counted, with a warning).
     ``preferences``: the records must be preference pairs (DPO), else conversations."""
+    located = ((f"line {number}", record)
+               for number, record in iter_records(path, preferences=preferences))
+    return count_records(located, path, in_file=True, skip_bad_records=skip_bad_records,
+                         preferences=preferences)
+
+
+def count_records(located: Iterable[tuple[str, Conversation | PreferencePair | BadRecord]],
+                  data_path: str, *, in_file: bool, skip_bad_records: bool,
+                  preferences: bool) -> RecordCounts:
+    """``validate``'s verdict on records given as ``(where, record or BadRecord)``: ``where``
+    says where in ``data_path`` (``in_file``: "line 3"), or which file and where in it
+    ("/data/train-0003.parquet row 1234")."""
     good = bad = 0
     first_bad = ""
-    for number, record in iter_records(path, preferences=preferences):
+    for where, record in located:
         if not isinstance(record, BadRecord):
             good += 1
             continue
         if not skip_bad_records:
-            raise ConfigError("data_path", f"{path} line {number} {record.problem}",
+            place = f"{data_path} {where}" if in_file else where
+            raise ConfigError("data_path", f"{place} {record.problem}",
                               f"{record.fix}, {SKIP_FIX}")
         bad += 1
-        first_bad = first_bad or f"line {number} {record.problem}"
+        first_bad = first_bad or f"{where} {record.problem}"
     if good == 0:
-        raise ConfigError("data_path", f"{path} holds no usable record ({bad} bad)",
-                          'write one {"prompt": ..., "chosen": ..., "rejected": ...} object per '
-                          "line" if preferences else
-                          'write one {"prompt": ..., "response": ...} or {"messages": [...]} '
-                          "object per line")
+        shape = ('{"prompt": ..., "chosen": ..., "rejected": ...}' if preferences else
+                 '{"prompt": ..., "response": ...} or {"messages": [...]}')
+        raise ConfigError("data_path", f"{data_path} holds no usable record ({bad} bad)",
+                          f"write one {shape} object per line" if in_file else
+                          f"give every row the fields of {shape}")
     if bad:
-        warnings.warn(f"data_path: skipped {bad} bad record(s) of {good + bad} in {path} "
-                      f"(first: {first_bad})", stacklevel=2)
+        warnings.warn(f"data_path: skipped {bad} bad record(s) of {good + bad} in {data_path} "
+                      f"(first: {first_bad})", stacklevel=3)
     return RecordCounts(records=good, bad_records=bad)

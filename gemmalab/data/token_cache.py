@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gemmalab.data.documents import PREFERENCES, Corpus, SplitRule, iter_documents
+from gemmalab.data.documents import PREFERENCES, Corpus, SplitRule, labelled_documents
 from gemmalab.data.tokenizer import (
     TokenizerInfo,
     encode_conversations,
@@ -184,13 +184,13 @@ def _build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule: Split
     tmp.mkdir(parents=True)
     chat = corpus_.conversational
     writers = {name: _SplitWriter(tmp, name, with_mask=chat) for name in ("train", "eval")}
-    counter = _CountingIterator(iter_documents(corpus_.path, corpus_.format))
-    labelled = rule.label_stories(counter, datacount)
+    labelled = labelled_documents(corpus_.path, corpus_.format, rule, datacount)
     encode = {PREFERENCES: encode_pairs}.get(
         corpus_.format, encode_conversations if chat else encode_stories)
-    for label, encoded in _tokenize_in_order(labelled, tokenizer.model_proto, workers, encode):
+    for label, encoded in _tokenize_in_order(iter(labelled), tokenizer.model_proto, workers,
+                                             encode):
         writers[label].add(encoded)
-    meta = {**writers["train"].close(), **writers["eval"].close(), "stories_read": counter.count,
+    meta = {**writers["train"].close(), **writers["eval"].close(), "stories_read": labelled.read,
             "corpus_path": corpus_.path, "tokenizer": tokenizer.name, "key": key_fields}
     if chat:
         meta["data_format"] = corpus_.format
@@ -200,24 +200,11 @@ def _build_token_cache(corpus_: Corpus, tokenizer: TokenizerInfo, *, rule: Split
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError("datacount" if datacount else "data_path",
                           f"no training stories left for process {rule.process_index} after "
-                          f"holding out eval stories ({counter.count} read)",
+                          f"holding out eval stories ({labelled.read} read)",
                           "use more stories (datacount/data) or fewer processes")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
-
-
-class _CountingIterator:
-    def __init__(self, it: Iterator[Any]):
-        self.it, self.count = it, 0
-
-    def __iter__(self) -> _CountingIterator:
-        return self
-
-    def __next__(self) -> Any:
-        item = next(self.it)
-        self.count += 1
-        return item
 
 
 def _tokenize_in_order(labelled: Iterator[tuple[str, Any]], model_proto: bytes, workers: int,

@@ -1,9 +1,11 @@
 """One process of a real multi-process JAX run on localhost (started by test_multiprocess.py).
 
-usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DATA_PATH WORK_DIR [fsdp]
+usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DATA_PATH WORK_DIR [fsdp|data]
 
 With ``fsdp``: 20 steps of the tiny model with fsdp spanning both processes, fed slices of fixed
 global batches (as test_sharding's one-process runs are), then a sharded Orbax save and restore.
+With ``data``: the data preparation alone (DATA_PATH Parquet): which rows each process read to
+build its token cache, its documents, the step counts, and its batch iterator resumed.
 """
 
 import json
@@ -27,6 +29,8 @@ def main() -> None:
 
     if sys.argv[6:] == ["fsdp"]:
         return fsdp_across_processes(work_dir)
+    if sys.argv[6:] == ["data"]:
+        return data_across_processes(data_path, work_dir)
 
     from gemmalab.config import TrainConfig
     from gemmalab.train.experiment import Experiment
@@ -87,6 +91,56 @@ def crash_and_resume(config, output_dir: str) -> tuple[list[float], int]:
     second = Experiment.prepare(config)
     second.train(progress=False)
     return [r["loss"] for r in second.history], second.weights.start_step
+
+
+def data_across_processes(data_path: str, work_dir: str) -> None:
+    import jax
+    import numpy as np
+
+    from gemmalab.config import TrainConfig
+    from gemmalab.data import parquet, preparation, token_cache
+
+    rows_read, building = [], [False]
+    real_rows, real_build = parquet.iter_rows, token_cache._build_token_cache
+
+    def logged_rows(*args, **kwargs):
+        for item in real_rows(*args, **kwargs):
+            if building[0]:
+                rows_read.append(item[0])
+            yield item
+
+    def logged_build(*args, **kwargs):
+        building[0] = True
+        try:
+            return real_build(*args, **kwargs)
+        finally:
+            building[0] = False
+
+    parquet.iter_rows, token_cache._build_token_cache = logged_rows, logged_build
+    config = TrainConfig(data_path=data_path, cache_dir=f"{work_dir}/cache{jax.process_index()}",
+                         batch_size=8, maxlen=64, tokenizer_vocab_size=600, tokenize_workers=1,
+                         seed=5, eval_fraction=0.1, max_eval_stories=3)
+    prepared = preparation.prepare_data(config)
+    data = preparation.training_data(config, prepared)
+    for _ in range(2):
+        next(data.train_iterator)
+    state = data.train_iterator.get_state()
+    after = [next(data.train_iterator) for _ in range(2)]
+    resumed = preparation.training_data(config, prepared).train_iterator
+    resumed.set_state(state)
+    again = [next(resumed) for _ in range(2)]
+    result = {
+        "train_docs": prepared.cache.train.num_docs, "eval_docs": prepared.cache.eval.num_docs,
+        "eval_tokens": int(np.asarray(prepared.cache.eval.tokens, np.int64).sum()),
+        "stories_read": prepared.cache.meta["stories_read"],
+        "steps_per_epoch": data.steps_per_epoch,
+        "tokenizer": prepared.tokenizer_info.fingerprint,
+        "rows_read": sorted(set(rows_read)),
+        "resumed_equal": all(np.array_equal(np.asarray(a[k]), np.asarray(b[k]))
+                             for a, b in zip(after, again, strict=True) for k in a),
+    }
+    with open(f"{work_dir}/data{jax.process_index()}.json", "w") as f:
+        json.dump(result, f)
 
 
 def fsdp_across_processes(work_dir: str) -> None:

@@ -84,3 +84,43 @@ def test_fsdp_spanning_two_processes_matches_one_process(tmp_path):
         assert result["restored_equal"] and result["restored_sharding_equal"]
         rows, width = result["global_shape"]
         assert result["local_shard_shape"] == [rows, width // 4]
+
+
+@pytest.mark.slow
+def test_two_processes_read_their_own_parquet_row_groups(tmp_path, stories_file):
+    """Parquet dealt to two real processes: each builds its cache from the eval rows' row
+    groups and its own contiguous share, they agree on the step counts, and each one's batch
+    iterator resumes exactly."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    stories = list(documents.iter_stories(str(stories_file)))
+    for i, (a, b) in enumerate([(0, 150), (150, 260), (260, len(stories))]):
+        pq.write_table(pa.table({"text": stories[a:b]}), tmp_path / f"train-{i}.parquet",
+                       row_group_size=10)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    workers = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port),
+                                 str(tmp_path / "train-*.parquet"), str(tmp_path), "data"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+               for i in range(2)]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
+    for worker, output in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, output[-3000:]
+    results = [json.loads((tmp_path / f"data{i}.json").read_text()) for i in range(2)]
+
+    assert [r["eval_docs"] for r in results] == [3, 3]  # rows 9, 19 and 29, on both
+    assert results[0]["eval_tokens"] == results[1]["eval_tokens"]
+    assert [r["train_docs"] for r in results] == [(len(stories) - 3) // 2,
+                                                  len(stories) - 3 - (len(stories) - 3) // 2]
+    assert [r["stories_read"] for r in results] == [len(stories)] * 2
+    assert results[0]["steps_per_epoch"] == results[1]["steps_per_epoch"]
+    assert results[0]["tokenizer"] == results[1]["tokenizer"]
+    assert all(r["resumed_equal"] for r in results)
+    # Process 0's share (198 train rows, the 3 eval rows among them) ends at row 200, process
+    # 1's starts at row 201: each read whole row groups of 10 rows, the eval rows' (0 - 29) and
+    # its share's, and only the row group 200 - 209 that both shares cross.
+    half = (len(stories) - 3) // 2 + 3
+    assert results[0]["rows_read"] == list(range(half + (-half) % 10))
+    assert results[1]["rows_read"] == [*range(30), *range(half - half % 10, len(stories))]
