@@ -8,7 +8,8 @@ Three layouts are compared on the tokenized stories (BOS + tokens + EOS):
 - ``pack`` — gemmalab with ``packing=True``: best-fit packing of (split) stories into rows.
 
 For chat data: rows with the loss-bearing targets marked, prompt vs response token counts, and
-what ``maxlen`` cuts.
+what ``maxlen`` cuts. For preference pairs (DPO): the pair's token counts and the ``maxlen`` that
+holds them (a pair is never cut).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from gemmalab.data import token_cache
-from gemmalab.data.packing import WindowSource, eval_batches, plan_rows
+from gemmalab.data.packing import WindowSource, eval_batches, plan_rows, unit_pairs
 
 PACKING_SAMPLE = 4_000
 
@@ -187,6 +188,32 @@ def chat_split_table(split: token_cache.TokenizedSplit, maxlens: list[int]) -> A
     return pd.DataFrame.from_records(records).set_index("maxlen")
 
 
+def preference_table(split: token_cache.TokenizedSplit, maxlens: list[int]) -> Any:
+    """Preference pairs (documents chosen, rejected, chosen, ...): tokens per pair of the prompt
+    (each side has it), of each reply (the loss-bearing targets) and of the pair's row, then per
+    ``maxlen`` the share of pairs one row holds (the rest are refused: a pair is never cut)
+    (pandas: two tables)."""
+    import pandas as pd
+
+    prompt, response = response_lengths(split)
+    pair = unit_pairs(split.lengths, 2)
+    parts = {"prompt (each side, no loss)": prompt[0::2], "chosen reply (loss)": response[0::2],
+             "rejected reply (loss)": response[1::2], "pair in one row": pair}
+    tokens = pd.DataFrame.from_dict(
+        {name: {"mean": float(np.mean(c)), "median": float(np.median(c)),
+                "95th percentile": float(np.percentile(c, 95)), "longest": int(np.max(c))}
+         for name, c in parts.items()}, orient="index").rename_axis("tokens per pair")
+    records = []
+    for maxlen in maxlens:
+        fit = pair[pair <= maxlen]
+        rows = plan_rows(fit, maxlen).num_rows if len(fit) else 0
+        records.append({"maxlen": maxlen, "pairs that fit": float(np.mean(pair <= maxlen)),
+                        "pairs per packed row": len(fit) / rows if rows else float("nan"),
+                        "row positions filled": float(fit.sum()) / (rows * maxlen) if rows
+                        else float("nan")})
+    return tokens, pd.DataFrame.from_records(records).set_index("maxlen")
+
+
 def _first_docs(split: token_cache.TokenizedSplit, count: int) -> token_cache.TokenizedSplit:
     offsets = split.offsets[:count + 1]
     end = int(offsets[-1])
@@ -215,13 +242,16 @@ def corpus_summary(cache: token_cache.TokenCache) -> Any:
 
     lengths = cache.train.lengths
     meta = cache.meta
+    unit = "pairs" if cache.train.group == 2 else "stories"  # a pair is two documents
+    per_unit = cache.train.group
     values = {
-        "stories read": meta["stories_read"],
-        "train stories (this process)": meta["train_docs"],
-        "eval stories": meta["eval_docs"],
+        f"{unit} read": meta["stories_read"],
+        f"train {unit} (this process)": meta["train_docs"] // per_unit,
+        f"eval {unit}": meta["eval_docs"] // per_unit,
         "train tokens": meta["train_tokens"],
         "eval tokens": meta["eval_tokens"],
-        "mean tokens per story": float(np.mean(lengths)),
+        "mean tokens per " + ("story" if per_unit == 1 else "side (prompt and one reply)"):
+            float(np.mean(lengths)),
         "median": float(np.median(lengths)),
         "95th percentile": float(np.percentile(lengths, 95)),
         "longest": int(np.max(lengths)),

@@ -181,3 +181,20 @@ def test_the_segment_bound_holds_every_row_and_is_two_without_packing(cache, pac
     most = max(int(stream.next_batch()["segment_ids"].max()) for _ in range(8))
     assert most <= bound and bound % 2 == 0
     assert bound == 2 if not packed else bound < maxlen // 8
+
+
+def test_data_prep_tables_count_pairs_and_the_maxlen_that_holds_them(cache):
+    from gemmalab.data import layouts
+
+    built, _ = cache
+    pairs = built.train.lengths.reshape(-1, 2).sum(axis=1) - 2
+    longest = int(pairs.max())
+    tokens, fits = layouts.preference_table(built.train, [longest - 1, longest, 4 * longest])
+    assert tokens.loc["pair in one row", "longest"] == longest
+    assert tokens.loc["chosen reply (loss)", "mean"] > 0
+    assert fits.loc[longest - 1, "pairs that fit"] == pytest.approx(np.mean(pairs <= longest - 1))
+    assert fits.loc[longest, "pairs that fit"] == 1.0
+    assert fits.loc[4 * longest, "pairs per packed row"] > 2  # packed rows hold several pairs
+    assert 0 < fits.loc[4 * longest, "row positions filled"] <= 1
+    summary = layouts.corpus_summary(built)
+    assert summary.loc["train pairs (this process)", "value"] == len(pairs)
