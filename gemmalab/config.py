@@ -338,6 +338,12 @@ class TrainConfig:
         if self.mesh is not None:
             check_mesh_shape(self.mesh)
         require(bool(self.output_dir), "output_dir", "is empty", "name a directory for the run")
+        # Orbax finds a checkpoint's per-process parts by a glob under the path: with these in
+        # it, the saved params and checkpoints come out unreadable (and a resume starts over).
+        wildcards = sorted(set("[]*?") & set(self.output_dir))
+        require(not wildcards, "output_dir", f"{self.output_dir!r} holds {''.join(wildcards)}: "
+                "checkpoints saved under it cannot be read back",
+                "use a path of letters, digits, '-', '_', '.' and '/'")
         require(bool(self.tokenizer), "tokenizer", "is empty",
                 "use None (the checkpoint's own), 'local', 'gemma3' or a path")
 

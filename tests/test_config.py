@@ -114,3 +114,10 @@ def test_a_runs_params_name_the_model_that_run_trained(tmp_path):
                                                              "tokenizer": "gemma3"}}))
     config = TrainConfig(checkpoint=str(run / "params"))
     assert config.model == "gemma3-270m" and config.tokenizer == "gemma3"
+
+
+@pytest.mark.parametrize("output_dir", ["runs/[exp1]", "runs/lr-*", "runs/a?b"])
+def test_an_output_dir_with_glob_wildcards_is_refused(output_dir):
+    # Orbax globs under the path for a checkpoint's parts: such a run saved unreadable params.
+    with pytest.raises(ConfigError, match="^output_dir: .* cannot be read back"):
+        TrainConfig(output_dir=output_dir)
