@@ -89,6 +89,7 @@ def test_launch_notebook_renders_without_a_cluster(tmp_path):
     outputs = json.dumps([c.get("outputs", []) for c in text["cells"]])
     assert "kind: JobSet" in outputs and "nb-test" in outputs
     assert "submit=False: nothing was sent to the cluster." in outputs
+    assert "tensorboard --logdir gs://my-project-gemmalab-outputs/nb-test/tensorboard" in outputs
 
 
 @pytest.mark.slow

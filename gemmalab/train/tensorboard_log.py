@@ -81,7 +81,7 @@ def samples_markdown(continuations: Sequence[Any]) -> str:
 
 
 def _escape(text: str) -> str:
-    return html.escape(text).replace("*", r"\*").replace("_", r"\_")
+    return html.escape(text, quote=False).replace("*", r"\*").replace("_", r"\_")
 
 
 class TensorBoardLog:
