@@ -101,7 +101,7 @@ class TensorBoardLog:
         self._path = epath.Path(directory)
         self._file: Any = None
         self._records: Any = None
-        self._written: set[tuple[str, int]] = set()  # (tag, step) of every scalar kept or written
+        self._written: set[tuple[str, int]] = set()  # (tag, step) of every summary kept or written
         self._gcs, self._flushed = storage.is_gcs(directory), time.monotonic()
         old = sorted(self._path.glob(EVENT_FILE_PREFIX + "*")) if self._path.exists() else []
         kept = _kept_events(old, resume_step) if resume_step else []
@@ -131,7 +131,6 @@ class TensorBoardLog:
         step, wall_time = int(record["step"]), record.get("time")
         for tag, value in scalar_tags(kind, record).items():
             self._write_summary(scalar_summary.scalar_pb(tag, value), step, wall_time)
-            self._written.add((tag, step))
 
     def fill(self, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
         """Write the scalars of the rows (``MetricsSink.kept``: kind -> rows) that the kept
@@ -146,7 +145,6 @@ class TensorBoardLog:
                     if (tag, step) not in self._written:
                         self._write_summary(scalar_summary.scalar_pb(tag, value), step,
                                             record.get("time"))
-                        self._written.add((tag, step))
 
     def samples(self, step: int, continuations: Sequence[Any]) -> None:
         """Model continuations (``sampling.Continuation``) at ``step`` as a text summary."""
