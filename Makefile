@@ -150,7 +150,7 @@ notebooks: $(STAMP)
 	$(PAPERMILL) notebooks/sample_compare.ipynb $(NBVAL_DIR)/3_sample_compare.ipynb \
 		-p finetuned nbval-run -p max_new_tokens 16
 	$(PAPERMILL) notebooks/profile.ipynb $(NBVAL_DIR)/4_profile.ipynb $(NBVAL_DATA) \
-		-p batch_size 8 -p profile_dir nbval-profile -p warmup_steps 2 -p profile_steps 3
+		-p batch_size 8 -p output_dir nbval-profile -p warmup_steps 2 -p profile_steps 3
 	$(PAPERMILL) notebooks/export.ipynb $(NBVAL_DIR)/5_export.ipynb -p run nbval-run \
 		-p out_dir nbval-export -y '{formats: [hf, gemma], dtype: float32}'
 

@@ -188,6 +188,9 @@ class TrainConfig:
     # Bookkeeping.
     eval_every: int = 100  # 0 = evaluate only at the start and end.
     log_every: int = 10
+    # TensorBoard event files in output_dir/tensorboard (gemmalab.train.tensorboard_log): the
+    # metrics' curves, the samples, the config as hyperparameters.
+    tensorboard: bool = True
     seed: int = 0
     output_dir: str = "runs/latest"
     cache_dir: str = ""  # "" = default_cache_dir().

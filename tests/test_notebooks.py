@@ -95,6 +95,7 @@ def test_launch_notebook_renders_without_a_cluster(tmp_path):
     assert "nb-test-0-lr1e-4 {'learning_rate': 0.0001}" in outputs
     assert "nb-test-1-lr2e-4 {'learning_rate': 0.0002}" in outputs
     assert "created:" not in outputs
+    assert "tensorboard --logdir gs://my-project-gemmalab-outputs/nb-test/tensorboard" in outputs
 
 
 @pytest.mark.slow

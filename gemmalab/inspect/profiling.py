@@ -9,6 +9,8 @@ from typing import Any
 
 import jax
 
+from gemmalab.train import tensorboard_log
+
 DEFAULT_SERVER_PORT = 9002
 _server_port: int | None = None
 
@@ -31,7 +33,7 @@ def serve_if_requested() -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class Capture:
-    logdir: str
+    logdir: str  # where the trace went: its plugins/profile/<run>/ (trace_analysis.find_xplane)
     first_step_s: float  # includes compilation
     steps: list[dict[str, float]]  # per traced step: host-measured data wait and step time
 
@@ -41,13 +43,19 @@ class Capture:
         return pd.DataFrame(self.steps).set_index("step")
 
 
-def capture(experiment: Any, *, logdir: str, warmup_steps: int = 3,
+def capture(experiment: Any, *, logdir: str | None = None, warmup_steps: int = 3,
             profile_steps: int = 5) -> Capture:
     """Run ``warmup_steps`` untraced (the first compiles), then trace ``profile_steps`` steps.
+
+    ``logdir`` (None: the run's TensorBoard directory, ``output_dir/tensorboard``, so
+    TensorBoard's profile plugin and ``xprof`` show the trace beside the run's curves): the
+    trace goes to its ``plugins/profile/<run>/``.
 
     Each traced step is wrapped in ``StepTraceAnnotation("train")`` so XProf sees step
     boundaries; it waits for the device, so host-side times split into data wait and step.
     """
+    if logdir is None:
+        logdir = tensorboard_log.logdir(experiment.config.output_dir)
     started = time.perf_counter()
     state = experiment.weights.state
     first_step_s = 0.0

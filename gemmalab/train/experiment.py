@@ -10,6 +10,7 @@ The loop reads top to bottom; its collaborators do the rest:
   (``TrainWeights``), restored from a checkpoint or initialised;
 - ``gemmalab.train.checkpoints``: the run's checkpoints and the resume checks;
 - ``gemmalab.train.metrics``: rows, evaluations, startup seconds and FLOP accounting;
+- ``gemmalab.train.tensorboard_log``: the same rows, the samples and the config for TensorBoard;
 - ``gemmalab.train.host_peak``: on CPUs, the host's measured matmul rate (``cpu_mfu``'s peak);
 - ``gemmalab.train.preemption``: SIGTERM becomes a checkpoint and ``Preempted``.
 """
@@ -35,7 +36,14 @@ from gemmalab.data.documents import CONVERSATIONAL
 from gemmalab.data.preparation import PreparedData, TrainingData, prepare_data, training_data
 from gemmalab.errors import ConfigError, TrainingDiverged
 from gemmalab.model import lora, mesh, presets, sampling
-from gemmalab.train import checkpoints, compile_cache, host_peak, metrics, optimization
+from gemmalab.train import (
+    checkpoints,
+    compile_cache,
+    host_peak,
+    metrics,
+    optimization,
+    tensorboard_log,
+)
 from gemmalab.train.params import TrainWeights, restore_or_init, trained_token_ids
 from gemmalab.train.preemption import Preempted, StopRequest
 from gemmalab.weights import orbax_params, sources
@@ -188,7 +196,21 @@ class Experiment:
         continuations = sampling.continue_prompts(
             self.base_model, self.inference_params(self.compute_dtype), self.tokenizer, prompts,
             compute_dtype=self.compute_dtype, **kwargs)
+        if self.tensorboard is not None:  # at the step the weights are at: before or after
+            step = self.history[-1]["step"] if self.history else self.weights.start_step
+            self.tensorboard.samples(step, continuations)
         return continuations[0] if single else continuations
+
+    @functools.cached_property
+    def tensorboard(self) -> tensorboard_log.TensorBoardLog | None:
+        """The run's TensorBoard event files (``output_dir/tensorboard``), opened on first use
+        (a sample or the training loop); the main process's, None elsewhere or with
+        ``tensorboard=False``. A resumed run's old events past its start step are dropped."""
+        if not (self.config.tensorboard and self.is_main_process):
+            return None
+        return tensorboard_log.TensorBoardLog(tensorboard_log.logdir(self.config.output_dir),
+                                              resume_step=self.weights.start_step,
+                                              hparams=self.config.to_dict())
 
     # -----------------------------------------------------------------------------------------
     # The steps.
@@ -260,7 +282,7 @@ class Experiment:
         cfg, weights = self.config, self.weights
         start_step = weights.start_step
         sink = metrics.MetricsSink(cfg.output_dir, enabled=self.is_main_process,
-                                   resume_step=start_step or None)
+                                   resume_step=start_step or None, tensorboard=self.tensorboard)
         log = metrics.StepLog(sink, total_steps=self.total_steps, start_step=start_step,
                               steps_per_epoch=self.steps_per_epoch,
                               tokens_per_step=cfg.batch_size * cfg.maxlen,

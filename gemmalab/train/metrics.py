@@ -1,7 +1,7 @@
-"""What a run records as it goes: ``metrics.jsonl``/``eval.jsonl`` (``MetricsSink``), the
-per-step rows, progress bar and log lines the training loop hands over (``StepLog``), the
-seconds spent before the first step (``Startup``) and the FLOP accounting behind MFU
-(``FlopAccounting``)."""
+"""What a run records as it goes: ``metrics.jsonl``/``eval.jsonl`` (``MetricsSink``, and
+TensorBoard's event files through its ``tensorboard_log``), the per-step rows, progress bar and
+log lines the training loop hands over (``StepLog``), the seconds spent before the first step
+(``Startup``) and the FLOP accounting behind MFU (``FlopAccounting``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import json
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    from gemmalab.train.tensorboard_log import TensorBoardLog
 
 
 class MetricsSink:
@@ -21,13 +24,19 @@ class MetricsSink:
 
     Resuming at step N keeps every row up to N (read back into ``kept``) and drops the later
     ones, which the resumed run computes again.
+
+    ``tensorboard`` (``tensorboard_log.TensorBoardLog``, the main process's; None: none) gets
+    every row as scalars, is flushed and closed with the files, and is handed the kept rows its
+    event files may lack.
     """
 
-    def __init__(self, output_dir: str, enabled: bool, *, resume_step: int | None = None):
+    def __init__(self, output_dir: str, enabled: bool, *, resume_step: int | None = None,
+                 tensorboard: TensorBoardLog | None = None):
         from etils import epath
 
         self.enabled = enabled
         self.output_dir = output_dir
+        self.tensorboard = tensorboard if enabled else None
         self.kept: dict[str, list[dict[str, Any]]] = {"metrics": [], "eval": []}
         self._files: dict[str, Any] = {}
         directory = epath.Path(output_dir)
@@ -47,14 +56,20 @@ class MetricsSink:
                 self._files[name] = (directory / f"{name}.jsonl").open("w")
                 for row in rows:
                     self._files[name].write(json.dumps(row) + "\n")
+            if self.tensorboard is not None:
+                self.tensorboard.fill(self.kept)
 
     def write(self, name: str, record: dict[str, Any]) -> None:
         if self.enabled:
             self._files[name].write(json.dumps(record) + "\n")
+            if self.tensorboard is not None:
+                self.tensorboard.scalars(name, record)
 
     def flush(self) -> None:
         for f in self._files.values():
             f.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
 
     def write_json(self, filename: str, payload: dict[str, Any]) -> None:
         if self.enabled:
@@ -66,6 +81,8 @@ class MetricsSink:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 class StepLog:

@@ -1,0 +1,236 @@
+"""TensorBoard's event files, read back with tensorboard's own readers: the same steps and values
+as metrics.jsonl and eval.jsonl, each step once after a resume, the samples and the config."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import PROMPT
+
+from gemmalab.config import TrainConfig
+from gemmalab.model.sampling import Continuation
+from gemmalab.train import metrics, tensorboard_log
+from gemmalab.train.experiment import Experiment
+
+RTOL = 1e-6  # scalars are stored as float32 (eps 1.2e-7)
+CONFIG = TrainConfig(output_dir="runs/tb", learning_rate=3e-3, mesh={"data": -1})
+
+
+def never_called(step, values):
+    raise AssertionError("a finite step was reported as non-finite")
+
+
+def write_run(output_dir: Path, steps, *, resume_step=None, offset=0.0, close=True):
+    """Steps of a DPO-like run through the sink, evaluated every 4 steps; ``close=False``
+    leaves it as a kill would (after the sink's last flush)."""
+    board = tensorboard_log.TensorBoardLog(tensorboard_log.logdir(str(output_dir)),
+                                           resume_step=resume_step, hparams=CONFIG.to_dict())
+    sink = metrics.MetricsSink(str(output_dir), enabled=True, resume_step=resume_step,
+                               tensorboard=board)
+    log = metrics.StepLog(sink, total_steps=max(steps), start_step=resume_step or 0,
+                          steps_per_epoch=10, tokens_per_step=1024, log_every=1, show=False,
+                          nonfinite=never_called, flops_per_step=6e12, peak_flops_per_s=1e15)
+    for step in steps:
+        log.step(step, {"loss": np.float32(3.0 / step + offset),
+                        "grad_norm": np.float32(0.5 + step), "useful_tokens": np.float32(900.0),
+                        "learning_rate": np.float32(1e-3 * step),
+                        "reward_accuracy": np.float32(0.1 * step)},
+                 data_wait=0.001 * step, batch_digest=step)
+        if step % 4 == 0:
+            log.settle()
+            log.evaluation(step, {"eval_loss": 2.0 / step + offset, "eval_perplexity": 7.0 / step,
+                                  "eval_reward_accuracy": 0.05 * step})
+    log.settle()
+    if close:
+        log.close()
+    else:
+        sink.flush()
+        board.flush(force=True)
+    return board
+
+
+def jsonl(output_dir: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / f"{name}.jsonl").read_text().splitlines()]
+
+
+def event_files(output_dir: Path) -> list[Path]:
+    return sorted((output_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def raw_summaries(output_dir: Path) -> list[tuple[str, int, object]]:
+    """(tag, step, value) of every summary value in every event file, as stored."""
+    from tensorboard.backend.event_processing import event_file_loader
+    from tensorboard.util import tensor_util
+
+    return [(value.tag, event.step, tensor_util.make_ndarray(value.tensor))
+            for path in event_files(output_dir)
+            for event in event_file_loader.EventFileLoader(str(path)).Load()
+            for value in event.summary.value]
+
+
+def curves(output_dir: Path) -> dict[str, dict[int, float]]:
+    """Scalar tag -> step -> value, as TensorBoard's EventAccumulator loads the run."""
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    accumulator = event_accumulator.EventAccumulator(
+        str(output_dir / "tensorboard"), size_guidance={event_accumulator.TENSORS: 0})
+    accumulator.Reload()
+    return {tag: {e.step: tensor_util.make_ndarray(e.tensor_proto).item()
+                  for e in accumulator.Tensors(tag)}
+            for tag in accumulator.Tags()["tensors"]
+            if accumulator.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"}
+
+
+def assert_curves_match_the_rows(output_dir: Path) -> dict[str, dict[int, float]]:
+    """Every figure of every metrics.jsonl and eval.jsonl row is its tag's value at its step,
+    and no tag has a step the rows lack; each (tag, step) is stored once."""
+    loaded = curves(output_dir)
+    expected: dict[str, dict[int, float]] = {}
+    for kind in ("metrics", "eval"):
+        for row in jsonl(output_dir, kind):
+            for tag, value in tensorboard_log.scalar_tags(kind, row).items():
+                expected.setdefault(tag, {})[row["step"]] = value
+    assert expected, "no rows"
+    for tag, by_step in expected.items():
+        assert sorted(loaded[tag]) == sorted(by_step), tag
+        for step, value in by_step.items():
+            assert loaded[tag][step] == pytest.approx(value, rel=RTOL), (tag, step)
+    stored = [(tag, step) for tag, step, _ in raw_summaries(output_dir)]
+    assert len(stored) == len(set(stored)), "a (tag, step) is stored twice"
+    return loaded
+
+
+def test_every_row_is_a_curve_with_its_steps_and_values(tmp_path):
+    write_run(tmp_path, range(1, 9))
+    loaded = assert_curves_match_the_rows(tmp_path)
+    assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/reward_accuracy",
+            "perf/tokens_per_s", "perf/useful_tokens_per_s", "perf/mfu", "perf/data_wait_s",
+            "eval/loss", "eval/perplexity", "eval/reward_accuracy"} <= set(loaded)
+    assert loaded["train/loss"][2] == pytest.approx(1.5, rel=RTOL)
+    assert loaded["eval/reward_accuracy"] == pytest.approx({4: 0.2, 8: 0.4}, rel=RTOL)
+    assert loaded["perf/data_wait_s"][3] == pytest.approx(0.003, rel=RTOL)
+    assert not {"train/step", "train/time", "train/batch_crc32", "train/epoch"} & set(loaded)
+    assert len(event_files(tmp_path)) == 1
+
+
+def test_a_resumed_run_shows_each_step_once_with_the_new_values(tmp_path):
+    """Killed after step 8 with a checkpoint at 5: steps 6-8 of the first try are dropped, the
+    resumed run's 6-10 (other values) replace them, in TensorBoard as in metrics.jsonl."""
+    write_run(tmp_path, range(1, 9), close=False)
+    write_run(tmp_path, range(6, 11), resume_step=5, offset=10.0)
+    loaded = assert_curves_match_the_rows(tmp_path)
+    assert sorted(loaded["train/loss"]) == list(range(1, 11))
+    assert loaded["train/loss"][5] == pytest.approx(0.6, rel=RTOL)  # the first try's
+    assert loaded["train/loss"][6] == pytest.approx(10.5, rel=RTOL)  # the resumed run's
+    assert sorted(loaded["eval/loss"]) == [4, 8]
+    assert loaded["eval/loss"][8] == pytest.approx(10.25, rel=RTOL)
+    assert len(event_files(tmp_path)) == 1  # the old file rewritten, then removed
+    sessions = [tag for tag, _, _ in raw_summaries(tmp_path) if tag.startswith("_hparams_/")]
+    assert sessions == ["_hparams_/session_start_info"]  # the config once, the resumed run's
+
+
+def test_rows_an_event_file_lost_in_a_kill_come_back_from_metrics_jsonl(tmp_path):
+    """A kill mid-write leaves the event file cut short: what it lacks of the kept rows is
+    written again from metrics.jsonl and eval.jsonl."""
+    write_run(tmp_path, range(1, 9), close=False)
+    (path,) = event_files(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) * 2 // 3 + 5])  # most of it, the last record cut
+    assert max(step for tag, step, _ in raw_summaries(tmp_path) if tag == "train/loss") < 8
+    write_run(tmp_path, range(9, 11), resume_step=8)
+    loaded = assert_curves_match_the_rows(tmp_path)
+    assert sorted(loaded["train/loss"]) == list(range(1, 11))
+    assert sorted(loaded["eval/reward_accuracy"]) == [4, 8]
+
+
+def test_a_fresh_run_replaces_old_event_files(tmp_path):
+    write_run(tmp_path, range(1, 9))
+    write_run(tmp_path, range(1, 5), offset=1.0)
+    loaded = assert_curves_match_the_rows(tmp_path)
+    assert sorted(loaded["train/loss"]) == [1, 2, 3, 4]
+    assert loaded["train/loss"][1] == pytest.approx(4.0, rel=RTOL)
+
+
+def test_the_config_is_the_hyperparameters(tmp_path):
+    from tensorboard.plugins.hparams import metadata
+
+    write_run(tmp_path, [1])
+    (content,) = [value.metadata.plugin_data.content
+                  for path in event_files(tmp_path)
+                  for value in _values(path) if value.tag == metadata.SESSION_START_INFO_TAG]
+    info = metadata.parse_session_start_info_plugin_data(content)
+    assert info.hparams["learning_rate"].number_value == pytest.approx(3e-3)
+    assert info.hparams["batch_size"].number_value == CONFIG.batch_size
+    assert info.hparams["packing"].bool_value is True
+    assert info.hparams["output_dir"].string_value == "runs/tb"
+    assert info.hparams["max_steps"].string_value == "None"
+    assert json.loads(info.hparams["mesh"].string_value) == {"data": -1}
+    assert set(info.hparams) == set(CONFIG.to_dict())
+
+
+def _values(path):
+    from tensorboard.backend.event_processing import event_file_loader
+
+    for event in event_file_loader.EventFileLoader(str(path)).Load():
+        yield from event.summary.value
+
+
+def test_samples_are_text_at_their_step(tmp_path):
+    board = tensorboard_log.TensorBoardLog(str(tmp_path / "tensorboard"))
+    board.samples(0, [Continuation("Once <b>", " upon a_time")])
+    board.close()
+    board.samples(12, [Continuation("Once", " after"), Continuation("Tom", " ran.")])
+    texts = {(step, np.asarray(value).item().decode()) for tag, step, value
+             in raw_summaries(tmp_path) if tag == tensorboard_log.SAMPLES_TAG}
+    assert texts == {(0, r"**Once &lt;b&gt;** upon a\_time"),
+                     (12, "**Once** after\n\n**Tom** ran.")}
+    assert len(event_files(tmp_path)) == 2  # the sample after closing went to a file of its own
+
+
+def test_only_the_main_process_writes_and_tensorboard_false_writes_nothing(tmp_path):
+    def experiment(main=True, **fields):
+        return SimpleNamespace(config=TrainConfig(output_dir=str(tmp_path), **fields),
+                               is_main_process=main, weights=SimpleNamespace(start_step=0))
+
+    assert Experiment.tensorboard.func(experiment(tensorboard=False)) is None
+    assert Experiment.tensorboard.func(experiment(main=False)) is None
+    assert not (tmp_path / "tensorboard").exists()
+    board = Experiment.tensorboard.func(experiment())
+    assert board.directory == f"{tmp_path}/tensorboard"
+    assert metrics.MetricsSink(str(tmp_path), enabled=False, tensorboard=board).tensorboard is None
+
+
+@pytest.mark.slow
+def test_a_crashed_and_resumed_run_shows_each_step_once(tmp_path, cache_dir, stories_file):
+    """A real run killed before step 7 (checkpoint at 4, rows flushed up to 6) and resumed: the
+    event files hold steps 1-12 once each with metrics.jsonl's values, the evaluations at 0, 6
+    and 12, and the samples at the step the weights were at (0, 4 on resuming, 12)."""
+    from test_resume import Crash, _config, _crash_at
+
+    config = _config(tmp_path, cache_dir, stories_file, "run")
+    first = Experiment.prepare(config)
+    first.sample(PROMPT, max_new_tokens=4)
+    _crash_at(first, 7)
+    with pytest.raises(Crash):
+        first.train(progress=False)
+    first.checkpoints.wait()
+    output = tmp_path / "run"
+    assert max(step for tag, step, _ in raw_summaries(output) if tag == "train/loss") == 6
+
+    second = Experiment.prepare(config)
+    assert second.weights.start_step == 4
+    second.sample(PROMPT, max_new_tokens=4)
+    second.train(progress=False)
+    after = second.sample(PROMPT, max_new_tokens=4)
+
+    loaded = assert_curves_match_the_rows(output)
+    assert sorted(loaded["train/loss"]) == list(range(1, 13))
+    assert sorted(loaded["eval/loss"]) == [0, 6, 12]
+    assert loaded["eval/loss"][12] == pytest.approx(second.summary["final_eval_loss"], rel=RTOL)
+    samples = {step: np.asarray(value).item().decode() for tag, step, value
+               in raw_summaries(output) if tag == tensorboard_log.SAMPLES_TAG}
+    assert sorted(samples) == [0, 4, 12]
+    assert samples[12] == f"**{PROMPT}**{after.text}".replace("_", r"\_")
