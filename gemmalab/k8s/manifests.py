@@ -103,7 +103,7 @@ def _env(config: ClusterConfig) -> list[client.V1EnvVar]:
     if config.profiling:
         env += [
             client.V1EnvVar(name="GEMMALAB_PROFILER_PORT", value=str(PROFILER_PORT)),
-            client.V1EnvVar(name="GEMMALAB_XPROF_DIR", value=f"{config.output_dir}/xprof"),
+            client.V1EnvVar(name="GEMMALAB_XPROF_DIR", value=f"{config.output_dir}/tensorboard"),
         ]
     return env
 
