@@ -46,14 +46,18 @@ class Run:
     data: PreparedData
 
 
-def load_run(output_dir: str) -> Run:
-    """Rebuild a run's config, model and data (tokenizer, eval split) from ``summary.json``."""
+def _finished(output_dir: str, fix: str) -> tuple[dict[str, Any], TrainConfig]:
+    """A finished run's ``summary.json`` and its config, or ``fix`` when it has none."""
     path = f"{output_dir}/summary.json"
     if not storage.exists(path):
-        raise ConfigError("finetuned", f"no summary.json in {output_dir}",
-                          "run notebooks/train.ipynb with this output_dir first")
+        raise ConfigError("finetuned", f"no summary.json in {output_dir}", fix)
     summary = json.loads(storage.read_bytes(path))
-    config = TrainConfig.from_dict(summary["params"])
+    return summary, TrainConfig.from_dict(summary["params"])
+
+
+def load_run(output_dir: str) -> Run:
+    """Rebuild a run's config, model and data (tokenizer, eval split) from ``summary.json``."""
+    summary, config = _finished(output_dir, "run notebooks/train.ipynb with this output_dir first")
     prepared = prepare_data(config)
     model = presets.build_model(presets.config_from_dict(summary["model_config"]),
                                 param_dtype=jnp.dtype(config.param_dtype))
@@ -70,12 +74,7 @@ def load_runs(finetuned: str | Sequence[str]) -> list[Run]:
     first = load_run(dirs[0])
     runs = [first]
     for output_dir in dirs[1:]:
-        path = f"{output_dir}/summary.json"
-        if not storage.exists(path):
-            raise ConfigError("finetuned", f"no summary.json in {output_dir}",
-                              "leave out runs that have not finished")
-        summary = json.loads(storage.read_bytes(path))
-        config = TrainConfig.from_dict(summary["params"])
+        summary, config = _finished(output_dir, "leave out runs that have not finished")
         for what, mine, theirs in (
                 ("model", summary["model_config"], first.summary["model_config"]),
                 ("tokenizer", (config.tokenizer, config.tokenizer_vocab_size, config.data_path),

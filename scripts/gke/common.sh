@@ -109,3 +109,18 @@ project_number() {
     gcloud projects describe "$PROJECT_ID" --format='value(projectNumber)'
   fi
 }
+
+# Install a controller release (NAME, its namespace and deployment, VERSION, MANIFEST URL) unless
+# that version already runs: server-side apply, as its CRDs are too large for the client-side
+# last-applied annotation. A dry run prints the apply.
+install_controller() {
+  local name="$1" namespace="$2" deployment="$3" version="$4" manifest="$5"
+  if [[ "$DRY_RUN" != 1 ]] && kubectl get deployment "$deployment" -n "$namespace" \
+      -o jsonpath='{.spec.template.spec.containers[0].image}' 2>/dev/null |
+      grep -q ":${version}\$"; then
+    log "$name $version is already installed"
+  else
+    log "$name $version"
+    run kubectl apply --server-side --force-conflicts -f "$manifest"
+  fi
+}

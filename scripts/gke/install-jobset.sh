@@ -20,18 +20,5 @@ parse_common_args "$@"
 require_real_project
 use_cluster
 
-installed() {
-  [[ "$DRY_RUN" != 1 ]] || return 1
-  kubectl get deployment jobset-controller-manager -n jobset-system \
-    -o jsonpath='{.spec.template.spec.containers[0].image}' 2>/dev/null |
-    grep -q ":${JOBSET_VERSION}\$"
-}
-
-if installed; then
-  log "JobSet $JOBSET_VERSION is already installed"
-else
-  log "JobSet $JOBSET_VERSION"
-  # Server-side apply: the CRD is too large for the client-side last-applied annotation.
-  run kubectl apply --server-side --force-conflicts -f "$JOBSET_MANIFEST"
-fi
+install_controller JobSet jobset-system jobset-controller-manager "$JOBSET_VERSION" "$JOBSET_MANIFEST"
 run kubectl rollout status deployment/jobset-controller-manager -n jobset-system --timeout=300s

@@ -53,20 +53,7 @@ fi
 [[ -f "$QUEUE_MANIFEST" ]] || die "no queue manifest at $QUEUE_MANIFEST"
 use_cluster
 
-installed() {
-  [[ "$DRY_RUN" != 1 ]] || return 1
-  kubectl get deployment kueue-controller-manager -n kueue-system \
-    -o jsonpath='{.spec.template.spec.containers[0].image}' 2>/dev/null |
-    grep -q ":${KUEUE_VERSION}\$"
-}
-
-if installed; then
-  log "Kueue $KUEUE_VERSION is already installed"
-else
-  log "Kueue $KUEUE_VERSION"
-  # Server-side apply: the CRDs are too large for the client-side last-applied annotation.
-  run kubectl apply --server-side --force-conflicts -f "$KUEUE_MANIFEST"
-fi
+install_controller Kueue kueue-system kueue-controller-manager "$KUEUE_VERSION" "$KUEUE_MANIFEST"
 run kubectl wait deployment/kueue-controller-manager -n kueue-system --for=condition=available \
   --timeout=300s
 
