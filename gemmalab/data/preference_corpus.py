@@ -4,7 +4,8 @@ The chosen reply is the instruction's own story, which states every fact the pro
 (``corpus.generate_instructions``). The rejected reply is the same story with one of those facts
 broken: the value swapped, word for word, for another value of the same fact from another
 instruction (the wrong name, another toy, another place), so it fails the task metric on exactly
-that fact while reading as fluently as the chosen one. Offline and deterministic by seed; only
+that fact while reading as fluently as the chosen one. The replacement is drawn as often as the
+instructions state that value, so every value is rejected about as often as it is chosen. Offline and deterministic by seed; only
 the standard library, like the corpus.
 """
 
@@ -26,7 +27,7 @@ from gemmalab.data.corpus import (
 )
 from gemmalab.data.fact_matching import Reply, follows, mentions
 
-PREFERENCES_VERSION = 1  # bump whenever the pairs change for the same instructions
+PREFERENCES_VERSION = 2  # bump whenever the pairs change for the same instructions
 LOOKAHEAD = 2  # instructions drawn per pair wanted: some have no fact that can be swapped
 
 
@@ -34,11 +35,13 @@ def generate_preferences(num_pairs: int, seed: int = 0) -> Iterator[dict]:
     """Yield ``num_pairs`` ``{"prompt", "chosen", "rejected", "facts", "broken"}`` records
     (``broken``: the fact the rejected story gets wrong), in TRL's standard form."""
     instructions = list(generate_instructions(LOOKAHEAD * num_pairs + 16, seed))
-    values: dict[str, set[str]] = defaultdict(set)
+    # Each value as often as the instructions state it: a replacement drawn from this pool is a
+    # value as often as it is chosen, so no value is preferred for itself (a prior a model
+    # could learn instead of reading the prompt); only the prompt tells the two stories apart.
+    pools: dict[str, list[str]] = defaultdict(list)
     for record in instructions:
         for key, value in record["facts"].items():
-            values[key].add(value)
-    pools = {key: sorted(found) for key, found in values.items()}
+            pools[key].append(value)
     draws = random.Random(f"preferences-{seed}")
     made = 0
     for record in instructions:
