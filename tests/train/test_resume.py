@@ -60,9 +60,12 @@ def _crash_at(experiment, step):
     experiment.__dict__["train_step"] = step_or_crash
 
 
-def crashed_run(config, step):
-    """A run of ``config`` killed before ``step``, its pending checkpoint saves finished."""
+def crashed_run(config, step, before_training=None):
+    """A run of ``config`` killed before ``step``, its pending checkpoint saves finished
+    (``before_training(experiment)`` first, if given)."""
     first = Experiment.prepare(config)
+    if before_training is not None:
+        before_training(first)
     _crash_at(first, step)
     with pytest.raises(Crash):
         first.train(progress=False)
@@ -81,15 +84,35 @@ def uninterrupted(tmp_path_factory, cache_dir, stories_file):
 @pytest.mark.slow
 def test_a_crashed_run_resumes_exactly(uninterrupted, cache_dir, stories_file):
     """Killed before step 7 (checkpoint at 4), then started again: the same 12 per-step losses
-    and the same final params, bit for bit (same devices, same compiled step, same batches)."""
+    and the same final params, bit for bit (same devices, same compiled step, same batches).
+    Its TensorBoard event files hold steps 1-12 once each with metrics.jsonl's values, the
+    evaluations at 0, 6 and 12, and the samples at the step the weights were at (0, 4 on
+    resuming, 12): the rows the killed try wrote past its checkpoint are gone."""
+    from conftest import PROMPT
+    from test_tensorboard import RTOL, assert_curves_match_the_rows, raw_summaries
+
+    from gemmalab.train import tensorboard_log
+
     tmp_path, whole = uninterrupted
     config = _config(tmp_path, cache_dir, stories_file, "crashed")
-    first = crashed_run(config, 7)
+    first = crashed_run(config, 7, lambda run: run.sample(PROMPT, max_new_tokens=4))
     assert first.checkpoints.steps() == [4]
+    output = tmp_path / "crashed"
+    assert max(step for tag, step, _ in raw_summaries(output) if tag == "train/loss") == 6
 
     second = Experiment.prepare(config)
     assert second.weights.start_step == 4
+    second.sample(PROMPT, max_new_tokens=4)
     summary = second.train(progress=False)
+    after = second.sample(PROMPT, max_new_tokens=4)
+    loaded = assert_curves_match_the_rows(output)
+    assert sorted(loaded["train/loss"]) == list(range(1, 13))
+    assert sorted(loaded["eval/loss"]) == [0, 6, 12]
+    assert loaded["eval/loss"][12] == pytest.approx(summary["final_eval_loss"], rel=RTOL)
+    samples = {step: np.asarray(value).item().decode() for tag, step, value
+               in raw_summaries(output) if tag == tensorboard_log.SAMPLES_TAG}
+    assert sorted(samples) == [0, 4, 12]
+    assert samples[12] == f"**{PROMPT}**{after.text}".replace("_", r"\_")
     steps, losses = _losses(tmp_path / "crashed")
     whole_steps, whole_losses = _losses(tmp_path / "whole")
     assert steps == whole_steps == list(range(1, 13))  # rows 5-6 of the crashed try replaced

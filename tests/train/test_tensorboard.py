@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import PROMPT
 
 from gemmalab.config import TrainConfig
 from gemmalab.model.sampling import Continuation
@@ -201,36 +200,3 @@ def test_only_the_main_process_writes_and_tensorboard_false_writes_nothing(tmp_p
     board = Experiment.tensorboard.func(experiment())
     assert board.directory == f"{tmp_path}/tensorboard"
     assert metrics.MetricsSink(str(tmp_path), enabled=False, tensorboard=board).tensorboard is None
-
-
-@pytest.mark.slow
-def test_a_crashed_and_resumed_run_shows_each_step_once(tmp_path, cache_dir, stories_file):
-    """A real run killed before step 7 (checkpoint at 4, rows flushed up to 6) and resumed: the
-    event files hold steps 1-12 once each with metrics.jsonl's values, the evaluations at 0, 6
-    and 12, and the samples at the step the weights were at (0, 4 on resuming, 12)."""
-    from test_resume import Crash, _config, _crash_at
-
-    config = _config(tmp_path, cache_dir, stories_file, "run")
-    first = Experiment.prepare(config)
-    first.sample(PROMPT, max_new_tokens=4)
-    _crash_at(first, 7)
-    with pytest.raises(Crash):
-        first.train(progress=False)
-    first.checkpoints.wait()
-    output = tmp_path / "run"
-    assert max(step for tag, step, _ in raw_summaries(output) if tag == "train/loss") == 6
-
-    second = Experiment.prepare(config)
-    assert second.weights.start_step == 4
-    second.sample(PROMPT, max_new_tokens=4)
-    second.train(progress=False)
-    after = second.sample(PROMPT, max_new_tokens=4)
-
-    loaded = assert_curves_match_the_rows(output)
-    assert sorted(loaded["train/loss"]) == list(range(1, 13))
-    assert sorted(loaded["eval/loss"]) == [0, 6, 12]
-    assert loaded["eval/loss"][12] == pytest.approx(second.summary["final_eval_loss"], rel=RTOL)
-    samples = {step: np.asarray(value).item().decode() for tag, step, value
-               in raw_summaries(output) if tag == tensorboard_log.SAMPLES_TAG}
-    assert sorted(samples) == [0, 4, 12]
-    assert samples[12] == f"**{PROMPT}**{after.text}".replace("_", r"\_")
