@@ -5,8 +5,8 @@ The chosen reply is the instruction's own story, which states every fact the pro
 broken: the value swapped, word for word, for another value of the same fact from another
 instruction (the wrong name, another toy, another place), so it fails the task metric on exactly
 that fact while reading as fluently as the chosen one. The replacement is drawn as often as the
-instructions state that value, so every value is rejected about as often as it is chosen. Offline and deterministic by seed; only
-the standard library, like the corpus.
+instructions state that value, so every value is rejected about as often as it is chosen.
+Offline and deterministic by seed; only the standard library, like the corpus.
 """
 
 from __future__ import annotations
