@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gemmalab import gemma_lib, plan, storage
 from gemmalab.config import TrainConfig
@@ -250,8 +251,17 @@ def instruction_text(conversation: Conversation) -> str:
     return "\n".join(content for _, content in conversation.prompt_turns)
 
 
+def chosen_replies_only(batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """Preference pairs' eval batches with loss on the chosen replies alone (segments 2k+1; the
+    rejected are 2k+2): the text a DPO run is tuned to write, as its ``eval_perplexity`` is."""
+    return [{**batch, "loss_mask": batch["loss_mask"]
+             * (batch["segment_ids"] % 2 == 1).astype(batch["loss_mask"].dtype)}
+            for batch in batches]
+
+
 def perplexity_table(run: Run, contenders: list[Contender]) -> Any:
-    """Held-out (eval split) loss and perplexity under each contender (pandas)."""
+    """Held-out (eval split) loss and perplexity under each contender (pandas); for preference
+    data, of the chosen replies."""
     import pandas as pd
 
     device_mesh = mesh.make_mesh(run.config.mesh, num_slices=run.config.num_slices)
@@ -261,6 +271,8 @@ def perplexity_table(run: Run, contenders: list[Contender]) -> Any:
                                    batch_size=batch_size, packing=run.config.packing,
                                    process_index=jax.process_index(),
                                    process_count=jax.process_count())
+    if run.data.cache.eval.group == 2:
+        batches = chosen_replies_only(batches)
     # One architecture: one placement and one compiled step serve every contender.
     shardings = sharding.param_sharding(contenders[0].params, device_mesh)
     step = optimization.make_eval_step(run.model, jnp.dtype(run.config.compute_dtype), device_mesh,

@@ -81,3 +81,17 @@ def test_a_run_continuing_another_finds_its_parent(tmp_path):
     assert output_dir == str(sft) and config.objective == "sft"
     assert compare._parent_run(str(tmp_path / "elsewhere" / "params")) is None
     assert compare._parent_run("embedded:gemma3-270m") is None
+
+
+def test_a_dpo_runs_perplexity_is_of_its_chosen_replies_alone():
+    import numpy as np
+
+    from gemmalab.inspect.compare import chosen_replies_only
+
+    # Two pairs in one row (chosen 1, rejected 2, chosen 3, rejected 4), then padding (0).
+    segments = np.asarray([[1, 1, 1, 2, 2, 3, 3, 4, 4, 0]])
+    mask = np.asarray([[0, 1, 1, 0, 1, 0, 1, 0, 1, 0]], np.float32)
+    row = {"segment_ids": segments, "loss_mask": mask, "tokens": segments}
+    [batch] = chosen_replies_only([row])
+    np.testing.assert_array_equal(batch["loss_mask"], [[0, 1, 1, 0, 0, 0, 1, 0, 0, 0]])
+    assert batch["loss_mask"].dtype == np.float32 and batch["tokens"] is segments
