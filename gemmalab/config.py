@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gemmalab import storage
 from gemmalab.errors import ConfigError, require
 
 PRESET_NAMES = ("gemma3-tiny", "gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
@@ -343,10 +344,9 @@ class TrainConfig:
         require(bool(self.output_dir), "output_dir", "is empty", "name a directory for the run")
         # Orbax finds a checkpoint's per-process parts by a glob under the path: with these in
         # it, the saved params and checkpoints come out unreadable (and a resume starts over).
-        wildcards = sorted(set("[]*?") & set(self.output_dir))
-        require(not wildcards, "output_dir", f"{self.output_dir!r} holds {''.join(wildcards)}: "
-                "checkpoints saved under it cannot be read back",
-                "use a path of letters, digits, '-', '_', '.' and '/'")
+        require(not storage.has_wildcards(self.output_dir), "output_dir",
+                f"{self.output_dir!r} holds a glob wildcard (*, ? or [): checkpoints saved under "
+                "it cannot be read back", "use a path of letters, digits, '-', '_', '.' and '/'")
         require(bool(self.tokenizer), "tokenizer", "is empty",
                 "use None (the checkpoint's own), 'local', 'gemma3' or a path")
 

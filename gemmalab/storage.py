@@ -111,6 +111,7 @@ def exists(path: str | os.PathLike) -> bool:
 
 
 def has_wildcards(pattern: str) -> bool:
+    """Whether ``pattern`` is a glob (what ``glob`` expands, and orbax expands under a path)."""
     return any(c in pattern for c in "*?[")
 
 
