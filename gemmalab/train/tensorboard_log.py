@@ -101,10 +101,12 @@ class TensorBoardLog:
         self._path = epath.Path(directory)
         self._file: Any = None
         self._records: Any = None
-        self._written: set[tuple[str, int]] = set()  # (tag, step) of every summary kept or written
+        # (tag, step) of the summaries kept from the old files: what ``fill`` need not write.
+        self._kept: set[tuple[str, int]] = set()
         self._gcs, self._flushed = storage.is_gcs(directory), time.monotonic()
         old = sorted(self._path.glob(EVENT_FILE_PREFIX + "*")) if self._path.exists() else []
         kept = _kept_events(old, resume_step) if resume_step else []
+        self._kept = {(v.tag, e.step) for e in kept for v in e.summary.value}
         self._open()
         for event in kept:
             self._write(event)
@@ -142,9 +144,10 @@ class TensorBoardLog:
             for record in records:
                 step = int(record["step"])
                 for tag, value in scalar_tags(kind, record).items():
-                    if (tag, step) not in self._written:
+                    if (tag, step) not in self._kept:
                         self._write_summary(scalar_summary.scalar_pb(tag, value), step,
                                             record.get("time"))
+        self._kept = set()  # needed no more: not a set growing with every step of the run
 
     def samples(self, step: int, continuations: Sequence[Any]) -> None:
         """Model continuations (``sampling.Continuation``) at ``step`` as a text summary."""
@@ -193,8 +196,6 @@ class TensorBoardLog:
     def _write(self, event: Any) -> None:
         if self._records is None:
             self._open()
-        if event.HasField("summary"):
-            self._written.update((v.tag, event.step) for v in event.summary.value)
         self._records.write(event.SerializeToString())
 
 
