@@ -139,6 +139,9 @@ class TrainConfig:
     objective: str = "sft"
     dpo_beta: float = 0.1  # how far the policy may move from the reference (TRL's beta)
     dpo_label_smoothing: float = 0.0  # the share of pairs assumed mislabelled (conservative DPO)
+    # RPO: + dpo_rpo_alpha x the chosen reply's per-token NLL (TRL's rpo_alpha; 1.0 in the RPO
+    # paper). Holds the chosen replies' likelihood up, which DPO alone lets fall.
+    dpo_rpo_alpha: float = 0.0
 
     # Optimisation.
     # Global batch (rows) across all processes. None: the model's (DEFAULT_BATCH_SIZES).
@@ -326,6 +329,8 @@ class TrainConfig:
             require(0.0 <= self.dpo_label_smoothing < 0.5, "dpo_label_smoothing",
                     f"{self.dpo_label_smoothing} is outside [0, 0.5)",
                     "use 0 (plain DPO) or the share of pairs you think mislabelled, e.g. 0.1")
+            require(self.dpo_rpo_alpha >= 0, "dpo_rpo_alpha", f"{self.dpo_rpo_alpha} is negative",
+                    "use 0 (plain DPO) or a positive weight, e.g. 1.0")
         else:
             require(self.data_path != EMBEDDED_PREFERENCES, "data_path",
                     "the preference set trains with DPO", "set objective='dpo'")

@@ -11,6 +11,11 @@ The loss of a pair, with ``delta = (policy - reference)[chosen] - (policy - refe
 in sequence log-probabilities, is TRL's (``loss_type="sigmoid"``) and gemma's
 ``gm.losses.DpoLoss``'s:
 ``-(1 - s) log sigmoid(beta delta) - s log sigmoid(-beta delta)`` (``s``: label smoothing).
+
+With ``rpo_alpha`` > 0 each pair's loss adds ``rpo_alpha`` times the policy's per-token NLL of the
+chosen reply (RPO, Pang et al. 2024; TRL's ``rpo_alpha``). DPO alone may widen a pair's gap by
+lowering both replies, the chosen one too, and with it what they share (a reply's ending): this
+term holds the chosen reply's likelihood up.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import jax.numpy as jnp
 class PairSums(NamedTuple):
     """Sums over a batch's complete pairs (divide by ``pairs`` for means), all fp32 scalars."""
 
-    loss: jax.Array
+    loss: jax.Array  # the objective: DPO's, plus RPO's term when rpo_alpha > 0
+    dpo_loss: jax.Array
+    chosen_nll: jax.Array  # the policy's per-token NLL of each chosen reply (RPO's term)
     pairs: jax.Array  # how many pairs had both responses in the batch
     reward_accuracy: jax.Array  # pairs whose chosen reward beat the rejected one's
     reward_margin: jax.Array  # chosen reward - rejected reward
@@ -46,7 +53,7 @@ def as_pairs(segment_values: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def dpo_sums(policy_logps: jax.Array, reference_logps: jax.Array, token_counts: jax.Array, *,
-             beta: float, label_smoothing: float = 0.0) -> PairSums:
+             beta: float, label_smoothing: float = 0.0, rpo_alpha: float = 0.0) -> PairSums:
     """The DPO loss and its diagnostics summed over every complete pair of the batch.
 
     ``policy_logps``, ``reference_logps``: ``[B, S]`` sequence log-probabilities per segment
@@ -64,12 +71,15 @@ def dpo_sums(policy_logps: jax.Array, reference_logps: jax.Array, token_counts: 
     margin = chosen_reward - rejected_reward
     losses = -((1.0 - label_smoothing) * jax.nn.log_sigmoid(margin)
                + label_smoothing * jax.nn.log_sigmoid(-margin))
+    chosen_nll = -policy_chosen / jnp.maximum(chosen_tokens, 1)
 
     def total(values: jax.Array) -> jax.Array:
         return jnp.sum(values * complete)
 
+    objective = losses + rpo_alpha * chosen_nll if rpo_alpha else losses
     return PairSums(
-        loss=total(losses), pairs=jnp.sum(complete),
+        loss=total(objective), dpo_loss=total(losses), chosen_nll=total(chosen_nll),
+        pairs=jnp.sum(complete),
         reward_accuracy=total((margin > 0).astype(jnp.float32)), reward_margin=total(margin),
         chosen_reward=total(chosen_reward), rejected_reward=total(rejected_reward),
         chosen_logp=total(policy_chosen), rejected_logp=total(policy_rejected),
@@ -79,11 +89,13 @@ def dpo_sums(policy_logps: jax.Array, reference_logps: jax.Array, token_counts: 
 
 
 def pair_means(sums: PairSums) -> dict[str, jax.Array]:
-    """The per-pair means a run logs (``dpo_loss``, ``reward_accuracy``, ...), and the
-    per-token log-ratio of policy to reference on the responses (``kl_estimate``: an estimate
-    of KL(policy || reference) from the dataset's responses, not from samples of the policy)."""
+    """The per-pair means a run logs (``dpo_loss``, ``chosen_nll``, ``reward_accuracy``, ...),
+    and the per-token log-ratio of policy to reference on the responses (``kl_estimate``: an
+    estimate of KL(policy || reference) from the dataset's responses, not from samples of the
+    policy)."""
     pairs = jnp.maximum(sums.pairs, 1.0)
-    return {"dpo_loss": sums.loss / pairs, "reward_accuracy": sums.reward_accuracy / pairs,
+    return {"dpo_loss": sums.dpo_loss / pairs, "chosen_nll": sums.chosen_nll / pairs,
+            "reward_accuracy": sums.reward_accuracy / pairs,
             "reward_margin": sums.reward_margin / pairs,
             "chosen_reward": sums.chosen_reward / pairs,
             "rejected_reward": sums.rejected_reward / pairs,

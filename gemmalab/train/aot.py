@@ -66,10 +66,8 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
                           modules=config.lora_modules, dtype=jnp.dtype(config.param_dtype))
         params = adapter_params(model_config, config)
     if dpo:
-        preference_settings = optimization.Preference(
-            reference_model=base_model, beta=config.dpo_beta,
-            label_smoothing=config.dpo_label_smoothing,
-            num_segments=preference_segments_bound(config.maxlen), adapters=config.lora_rank > 0)
+        preference_settings = optimization.Preference.of(
+            config, base_model, preference_segments_bound(config.maxlen))
     schedule = optax.constant_schedule(1e-5)
     optimizer = optimization.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
                                             max_grad_norm=1.0)

@@ -246,10 +246,7 @@ class Experiment:
         if self.data.max_segments < 2:  # a cache of other data: no pair would ever count
             raise ConfigError("data_path", f"{cfg.data_path} was read without preference pairs",
                               "give objective='dpo' a preference JSONL file")
-        return optimization.Preference(reference_model=self.base_model, beta=cfg.dpo_beta,
-                                       label_smoothing=cfg.dpo_label_smoothing,
-                                       num_segments=self.data.max_segments,
-                                       adapters=cfg.lora_rank > 0)
+        return optimization.Preference.of(cfg, self.base_model, self.data.max_segments)
 
     @functools.cached_property
     def eval_step(self) -> Any:

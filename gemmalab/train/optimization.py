@@ -76,13 +76,23 @@ class Preference:
     ``reference_model``: the base model (no adapters), run on ``frozen`` for the reference's
     log-probabilities. ``adapters``: the policy is a LoRA model whose ``frozen`` is its own base
     (else ``frozen`` is only the reference's copy). ``num_segments``: the most segments a row
-    can hold (a static bound: two per pair)."""
+    can hold (a static bound: two per pair). ``rpo_alpha``: the weight of RPO's NLL term on the
+    chosen replies (0: plain DPO)."""
 
     reference_model: Any
     beta: float
     label_smoothing: float
     num_segments: int
     adapters: bool
+    rpo_alpha: float = 0.0
+
+    @classmethod
+    def of(cls, config: Any, reference_model: Any, num_segments: int) -> Preference:
+        """A ``TrainConfig``'s DPO settings (``dpo_beta``, ...) with the base model as the
+        reference."""
+        return cls(reference_model=reference_model, beta=config.dpo_beta,
+                   label_smoothing=config.dpo_label_smoothing, num_segments=num_segments,
+                   adapters=config.lora_rank > 0, rpo_alpha=config.dpo_rpo_alpha)
 
 
 def _hidden_states(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
@@ -148,7 +158,8 @@ def forward_preference(model: Any, params: Any, batch: dict[str, jax.Array], com
     reference, _ = segment_logps(settings.reference_model, jax.lax.stop_gradient(frozen), batch,
                                  compute_dtype, settings.num_segments, None, mesh)
     sums = preference.dpo_sums(policy, reference, counts, beta=settings.beta,
-                               label_smoothing=settings.label_smoothing)
+                               label_smoothing=settings.label_smoothing,
+                               rpo_alpha=settings.rpo_alpha)
     return sums.loss, sums
 
 
@@ -173,7 +184,7 @@ def sums_metrics(total: jax.Array, sums: dict[str, jax.Array]) -> dict[str, jax.
     if "pairs" in sums:
         fields = preference.PairSums._fields
         means = preference.pair_means(preference.PairSums(**{k: sums[k] for k in fields}))
-        metrics.update({k: v for k, v in means.items() if k != "dpo_loss"})
+        metrics.update(means)
     return metrics
 
 

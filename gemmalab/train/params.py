@@ -12,10 +12,12 @@ the configured base (or random init).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gemmalab import plan
 from gemmalab.config import CHAT_TURN_TOKENS, TrainConfig
@@ -92,7 +94,56 @@ def restore_or_init(config: TrainConfig, base_model: Any, optimizer: Any, device
     elif config.objective == "dpo":  # the starting weights, as LoRA's base is
         weights.reference, weights.reference_shardings = _frozen_base(config, base_model,
                                                                       checkpoint, device_mesh)
+    held = {} if weights.held is None else {HELD_DIGEST: weights_digest(weights.held)}
+    if start_step == 0:
+        if jax.process_index() == 0:
+            checkpoints.write_config(config.output_dir,
+                                     {**checkpoints.resume_values(config), **held})
+    else:
+        _require_same_held_weights(checkpoints.stored_config(config.output_dir) or {}, held,
+                                   config, checkpoint)
     return weights
+
+
+# The train config's record of the held weights (LoRA's base, DPO's reference) a run started
+# with: they are read again on a resume, not checkpointed, so a changed file would change them.
+HELD_DIGEST = "held_weights_digest"
+
+
+def weights_digest(tree: Any) -> str:
+    """A digest of a (sharded) weight tree's exact bits, the same under any mesh or process
+    count: each leaf's bit patterns times an odd multiplier of their flat index, summed in
+    wrapping uint32 (exact and order-free, unlike a float sum), two multipliers a leaf."""
+
+    def leaf_sums(leaf: jax.Array) -> jax.Array:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[leaf.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(leaf, unsigned).astype(jnp.uint32).ravel()
+        index = jnp.arange(bits.size, dtype=jnp.uint32)
+        return jnp.stack([jnp.sum(bits * (index * jnp.uint32(0x9E3779B1) + jnp.uint32(1))),
+                          jnp.sum(bits * (index * jnp.uint32(0x85EBCA77) + jnp.uint32(3)))])
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    sums = jax.jit(lambda values: [leaf_sums(v) for v in values])([v for _, v in leaves])
+    digest = hashlib.sha256()
+    for (path, leaf), pair in zip(leaves, sums, strict=True):
+        digest.update(f"{jax.tree_util.keystr(path)}:{leaf.dtype}:{leaf.shape}:".encode())
+        digest.update(np.asarray(pair.addressable_data(0)).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _require_same_held_weights(stored: dict[str, Any], held: dict[str, str], config: TrainConfig,
+                               checkpoint: sources.ResolvedCheckpoint) -> None:
+    """A resumed run's held weights are those it started with (runs that recorded none, from
+    before the record existed, pass)."""
+    before, now = stored.get(HELD_DIGEST), held.get(HELD_DIGEST)
+    if before is None or before == now:
+        return
+    role = "LoRA base" if config.lora_rank else "DPO reference"
+    raise ConfigError("checkpoint", f"{checkpoint.name or 'the random init'} now holds other "
+                      f"weights than when the run in {config.output_dir} started (its {role}, "
+                      f"not checkpointed, digest {now} against {before})",
+                      "put the original weights back at that path, or use a new output_dir to "
+                      "start over from these")
 
 
 def trained_token_ids(config: TrainConfig, info: Any, *, chat: bool) -> tuple[int, ...]:
@@ -139,8 +190,6 @@ def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: 
         params = initial_params(base_model, checkpoint, config, param_dtype, device_mesh,
                                 expected)
     state, _ = optimization.init_state(params, optimizer, device_mesh)
-    if jax.process_index() == 0:
-        checkpoints.write_config(config.output_dir, checkpoints.resume_values(config))
     return 0, state, shardings
 
 

@@ -47,6 +47,7 @@ def _longest_pair(split) -> int:
     ({"objective": "dpo", "data_path": "embedded:instructions"}, "data_path"),
     ({"objective": "dpo", "dpo_beta": 0.0}, "dpo_beta"),
     ({"objective": "dpo", "dpo_label_smoothing": 0.5}, "dpo_label_smoothing"),
+    ({"objective": "dpo", "dpo_rpo_alpha": -1.0}, "dpo_rpo_alpha"),
     ({"objective": "dpo", "train_on_prompt": True}, "train_on_prompt"),
     ({"data_path": EMBEDDED_PREFERENCES}, "data_path"),
 ])

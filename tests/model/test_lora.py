@@ -3,6 +3,7 @@ exact resume, sampling from the merged tree equal to the LoRA model)."""
 
 import collections
 import dataclasses
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,29 @@ def test_a_crashed_lora_run_resumes_exactly(lora_run, cache_dir, stories_file):
     # A resume with another rank is refused up front, naming the field.
     with pytest.raises(ConfigError, match="lora_rank"):
         Experiment.prepare(dataclasses.replace(config, lora_rank=8))
+
+
+@pytest.mark.slow
+def test_a_resume_whose_base_file_changed_is_refused(lora_run, cache_dir, stories_file):
+    """The base is read again on a resume, not checkpointed: new weights at the ``checkpoint``
+    path (an SFT run re-run into the same directory) would change it mid-run. The run records
+    its held weights' digest and a resume on other ones is refused, naming ``checkpoint``."""
+    tmp_path, whole, _, _ = lora_run
+    base = str(tmp_path / "base-run" / "params")  # a run's params, its tokenizer beside them
+    original = orbax_params.load_params(f"{whole.config.output_dir}/params")
+    orbax_params.save_params(original, base)
+    for name in ("tokenizer.model", "summary.json"):
+        shutil.copy(f"{whole.config.output_dir}/{name}", tmp_path / "base-run")
+    config = _config(tmp_path, cache_dir, stories_file, "on-a-file", checkpoint=base,
+                     max_steps=1, checkpoint_every=1, eval_every=0)
+    Experiment.prepare(config).train(progress=False)
+    shutil.rmtree(base)
+    orbax_params.save_params(_noisy(original, seed=3), base)
+    with pytest.raises(ConfigError, match="checkpoint.*other weights than when the run"):
+        Experiment.prepare(dataclasses.replace(config, max_steps=2))
+    shutil.rmtree(base)
+    orbax_params.save_params(original, base)
+    assert Experiment.prepare(dataclasses.replace(config, max_steps=2)).weights.start_step == 1
 
 
 @pytest.mark.slow

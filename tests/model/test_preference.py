@@ -108,6 +108,35 @@ def test_dpo_sums_equal_the_formula_and_skip_incomplete_pairs(smoothing):
         float(sums.log_ratio) / (8 * 8), rel=1e-6)
 
 
+def test_rpo_adds_the_chosen_replies_per_token_nll_and_leaves_dpos_part_alone():
+    """``rpo_alpha``: each complete pair's loss gains alpha x its chosen reply's mean NLL per
+    token (RPO); ``dpo_loss`` stays DPO's, and the term's gradient lifts the chosen replies
+    only, each by alpha / its tokens."""
+    rng = np.random.default_rng(4)
+    policy, reference = (rng.normal(size=(2, 2, 4)) * 5 - 20).astype(np.float32)
+    counts = rng.integers(1, 9, size=(2, 4)).astype(np.float32)
+    counts[1, 3] = 0.0  # row 1's second pair is incomplete: no term for it either
+    alpha, beta = 0.7, 0.2
+
+    def sums_of(p, rpo_alpha):
+        return preference.dpo_sums(p, jnp.asarray(reference), jnp.asarray(counts), beta=beta,
+                                   rpo_alpha=rpo_alpha)
+
+    plain, rpo = sums_of(jnp.asarray(policy), 0.0), sums_of(jnp.asarray(policy), alpha)
+    complete = [(0, 0), (0, 1), (1, 0)]
+    nll = sum(-policy[row, 2 * pair] / counts[row, 2 * pair] for row, pair in complete)
+    assert float(rpo.dpo_loss) == pytest.approx(float(plain.loss), rel=1e-6)
+    assert float(rpo.chosen_nll) == pytest.approx(nll, rel=1e-5)
+    assert float(rpo.loss) == pytest.approx(float(plain.loss) + alpha * nll, rel=1e-5)
+    assert float(preference.pair_means(rpo)["chosen_nll"]) == pytest.approx(nll / 3, rel=1e-5)
+    term = jax.grad(lambda p: sums_of(p, alpha).loss - sums_of(p, 0.0).loss)(
+        jnp.asarray(policy))
+    expected = np.zeros_like(policy)
+    for row, pair in complete:
+        expected[row, 2 * pair] = -alpha / counts[row, 2 * pair]
+    np.testing.assert_allclose(np.asarray(term), expected, rtol=1e-5, atol=1e-7)
+
+
 def test_dpo_equals_gemmas_dpo_loss_on_full_logits():
     from gemma import gm
 
