@@ -104,14 +104,17 @@ def finetuned_params(run: Run) -> Contender:
     return Contender("fine-tuned", orbax_params.load_params(f"{run.output_dir}/params"))
 
 
-def base_params(run: Run, checkpoint: str = "run") -> Contender:
+def base_params(run: Run, checkpoint: str = "run", *, origin: TrainConfig | None = None
+                ) -> Contender:
     """The weights the run started from (``"run"``), or any other checkpoint spec ('' = init),
-    in any format the run's ``checkpoint`` takes (``gemmalab.weights.sources``)."""
-    spec = run.config.checkpoint if checkpoint == "run" else checkpoint
+    in any format the run's ``checkpoint`` takes (``gemmalab.weights.sources``). ``origin``:
+    the config of the run that started from them (default ``run``'s): its ``checkpoint`` for
+    ``"run"``, and its ``seed`` draws a random init."""
+    origin = origin or run.config
+    spec = origin.checkpoint if checkpoint == "run" else checkpoint
     resolved = sources.resolve(spec, run.config.model, run.config.resolved_cache_dir)
     if not resolved.path:
-        params = presets.init_params(run.model, seed=run.config.seed,
-                                     sample_length=run.config.maxlen)
+        params = presets.init_params(run.model, seed=origin.seed, sample_length=origin.maxlen)
         return Contender("base (random init)", params)
     target = plan.abstract_params(run.model.config, run.config.param_dtype)
     params = sources.load(resolved, target, text_only=presets.PRESETS[run.config.model].multimodal)
@@ -128,8 +131,7 @@ def lineage(run: Run, base_checkpoint: str = "run") -> list[Contender]:
         chain.append(parent)
     if base_checkpoint != "run" or len(chain) == 1:
         return [base_params(run, base_checkpoint), finetuned_params(run)]
-    first = chain[-1][1]
-    stages = [base_params(run, first.checkpoint)]
+    stages = [base_params(run, origin=chain[-1][1])]  # the first run's start (its seed's init)
     for output_dir, config in reversed(chain):
         stages.append(Contender(f"{config.objective.upper()} ({output_dir})",
                                 orbax_params.load_params(f"{output_dir}/params")))

@@ -66,6 +66,31 @@ def test_samples_side_by_side(run, chat):
             assert record["decided"] == "" and not record["complete"]
 
 
+@pytest.mark.slow
+def test_a_chains_random_init_base_is_the_first_runs_own(run, tmp_path):
+    """A run continuing a random-init run (say DPO, seed 9, after SFT, seed 4): the lineage's
+    base is the first run's initialisation (seed 4), not one drawn with the last run's seed."""
+    import dataclasses
+    import shutil
+
+    import jax
+    import numpy as np
+
+    from gemmalab.model import presets
+
+    parent, _ = run
+    child_dir = tmp_path / "dpo"
+    shutil.copytree(f"{parent.output_dir}/params", child_dir / "params")
+    child = dataclasses.replace(parent, output_dir=str(child_dir), config=dataclasses.replace(
+        parent.config, checkpoint=f"{parent.output_dir}/params", seed=9))
+    base, first, second = compare.lineage(child)
+    assert base.name == "base (random init)"
+    assert first.name.startswith("SFT (") and second.name == f"SFT ({child_dir})"
+    started = presets.init_params(parent.model, seed=4, sample_length=parent.config.maxlen)
+    for a, b in zip(jax.tree.leaves(base.params), jax.tree.leaves(started), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_missing_run(tmp_path):
     with pytest.raises(ConfigError, match="^finetuned: no summary.json"):
         compare.load_run(str(tmp_path))
