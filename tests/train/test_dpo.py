@@ -1,6 +1,7 @@
 """DPO through the real steps: the tiny Gemma 3 as policy and reference, packed pairs, LoRA's
 base as the reference, full fine-tuning's reference copy, micro-batches and evaluation."""
 
+import dataclasses
 import math
 
 import jax
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gemmalab.config import TrainConfig
 from gemmalab.model import lora, mesh, presets, sharding
 from gemmalab.train import optimization
 
@@ -85,6 +87,16 @@ def test_the_step_loss_is_dpo_of_the_two_models_sequence_logps():
     assert float(total) == pytest.approx(expected, rel=1e-4)
     assert float(sums["reward_margin"]) == pytest.approx(sum(margins), rel=1e-3, abs=1e-4)
     assert float(sums["reward_accuracy"]) == sum(m > 0 for m in margins)
+    # RPO (dpo_rpo_alpha): + alpha x each chosen reply's mean NLL over its 3 tokens.
+    rpo_settings = dataclasses.replace(_settings(model, adapters=False, num_segments=4,
+                                                 beta=beta), rpo_alpha=0.5)
+    rpo_total, rpo_sums = optimization.loss_sums(model, policy, batch, jnp.float32, reference,
+                                                 None, rpo_settings)
+    chosen_nll = sum(-_sequence_logp(model, policy, pair[0]) / 3 for pair in pairs)
+    assert float(rpo_sums["dpo_loss"]) == pytest.approx(expected, rel=1e-4)
+    assert float(rpo_total) == pytest.approx(expected + 0.5 * chosen_nll, rel=1e-4)
+    assert rpo_settings == optimization.Preference.of(
+        TrainConfig(objective="dpo", dpo_beta=beta, dpo_rpo_alpha=0.5), model, 4)
 
 
 def test_packed_and_one_pair_per_row_give_the_same_step():
@@ -206,7 +218,6 @@ def test_a_killed_dpo_run_resumes_exactly_with_its_reference_read_again(tmp_path
     bit for bit; the reference (never checkpointed) is the starting weights again."""
     from test_resume import crashed_run  # pytest puts this directory on sys.path
 
-    from gemmalab.config import TrainConfig
     from gemmalab.train.experiment import Experiment
 
     def config(name):
