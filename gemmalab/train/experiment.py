@@ -126,7 +126,7 @@ class Experiment:
                                                 max_grad_norm=config.max_grad_norm)
         saved = checkpoints.TrainCheckpoints(config.output_dir, keep=config.keep_checkpoints)
         weights = restore_or_init(config, base_model, optimizer, device_mesh, checkpoint, saved,
-                                  data.train_iterator, resume=previous is not None,
+                                  data.train_iterator, previous=previous,
                                   token_rows=len(token_ids))
         jax.block_until_ready((weights.state, weights.held))
         startup.phase("model")

@@ -80,13 +80,15 @@ class TrainWeights:
 
 def restore_or_init(config: TrainConfig, base_model: Any, optimizer: Any, device_mesh: Any,
                     checkpoint: sources.ResolvedCheckpoint, saved: checkpoints.TrainCheckpoints,
-                    iterator: Any, *, resume: bool, token_rows: int = 0) -> TrainWeights:
+                    iterator: Any, *, previous: dict[str, Any] | None,
+                    token_rows: int = 0) -> TrainWeights:
     """The run's weights on ``device_mesh``: the state restored (and ``iterator`` moved to its
     data position) or initialised, and LoRA's frozen base (or full fine-tuning DPO's reference)
-    read into its shards."""
+    read into its shards. ``previous``: the stored config of the run this one resumes
+    (``checkpoints.previous_run``), None for a new run."""
     start_step, state, shardings = _restored_or_initial_state(
-        config, base_model, optimizer, device_mesh, checkpoint, saved, iterator, resume=resume,
-        token_rows=token_rows)
+        config, base_model, optimizer, device_mesh, checkpoint, saved, iterator,
+        resume=previous is not None, token_rows=token_rows)
     weights = TrainWeights(state=state, state_shardings=shardings, start_step=start_step)
     if config.lora_rank:
         weights.frozen, weights.frozen_shardings = _frozen_base(config, base_model, checkpoint,
@@ -100,8 +102,7 @@ def restore_or_init(config: TrainConfig, base_model: Any, optimizer: Any, device
             checkpoints.write_config(config.output_dir,
                                      {**checkpoints.resume_values(config), **held})
     else:
-        _require_same_held_weights(checkpoints.stored_config(config.output_dir) or {}, held,
-                                   config, checkpoint)
+        _require_same_held_weights(previous or {}, held, config, checkpoint)
     return weights
 
 
