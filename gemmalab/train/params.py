@@ -111,25 +111,73 @@ def restore_or_init(config: TrainConfig, base_model: Any, optimizer: Any, device
 HELD_DIGEST = "held_weights_digest"
 
 
+# Two odd multipliers a leaf (``weights_digest``), and the elements a host block sums at once.
+DIGEST_MULTIPLIERS = ((0x9E3779B1, 1), (0x85EBCA77, 3))
+DIGEST_BLOCK = 1 << 22
+
+
 def weights_digest(tree: Any) -> str:
     """A digest of a (sharded) weight tree's exact bits, the same under any mesh or process
-    count: each leaf's bit patterns times an odd multiplier of their flat index, summed in
-    wrapping uint32 (exact and order-free, unlike a float sum), two multipliers a leaf."""
+    count: for each leaf, ``sum(bits[i] * (i * m + c))`` over its flat index ``i``, for both
+    ``(m, c)`` of ``DIGEST_MULTIPLIERS``, in wrapping uint32 (exact and order-free, unlike a
+    float sum).
 
-    def leaf_sums(leaf: jax.Array) -> jax.Array:
-        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[leaf.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(leaf, unsigned).astype(jnp.uint32).ravel()
-        index = jnp.arange(bits.size, dtype=jnp.uint32)
-        return jnp.stack([jnp.sum(bits * (index * jnp.uint32(0x9E3779B1) + jnp.uint32(1))),
-                          jnp.sum(bits * (index * jnp.uint32(0x85EBCA77) + jnp.uint32(3)))])
-
+    Summed on the host, one distinct shard at a time in blocks of ``DIGEST_BLOCK`` elements:
+    a replicated leaf is read once, not once a device, and the temporaries stay small (a
+    jit-compiled sum held uint32 copies of the 270M's embedding on each of 8 CPU devices:
+    10 GB). The processes' partial sums are added up."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    sums = jax.jit(lambda values: [leaf_sums(v) for v in values])([v for _, v in leaves])
+    sums = np.stack([_leaf_sums(leaf) for _, leaf in leaves])
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        sums = np.sum(np.asarray(multihost_utils.process_allgather(sums)), axis=0,
+                      dtype=np.uint32)
     digest = hashlib.sha256()
     for (path, leaf), pair in zip(leaves, sums, strict=True):
         digest.update(f"{jax.tree_util.keystr(path)}:{leaf.dtype}:{leaf.shape}:".encode())
-        digest.update(np.asarray(pair.addressable_data(0)).tobytes())
+        digest.update(pair.astype(np.uint32).tobytes())
     return digest.hexdigest()[:16]
+
+
+def _leaf_sums(leaf: Any) -> np.ndarray:
+    """``[2]`` uint32: this process's share of a leaf's two sums (``weights_digest``)."""
+    shape = tuple(np.shape(leaf))
+    if isinstance(leaf, jax.Array):
+        shards = [(s.index, s.data) for s in leaf.addressable_shards if s.replica_id == 0]
+    else:
+        shards = [(tuple(slice(None) for _ in shape), leaf)]
+    total = np.zeros(2, np.uint32)
+    for index, data in shards:
+        total += _block_sums(np.asarray(data), index, shape)
+    return total
+
+
+def _block_sums(data: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...]
+                ) -> np.ndarray:
+    """A shard's two sums, with each element's flat index in the whole leaf."""
+    data = data.reshape(data.shape or (1,))
+    shape = shape or (1,)
+    starts = [s.indices(n)[0] if isinstance(s, slice) else 0
+              for s, n in zip(index or (slice(None),) * len(shape), shape, strict=True)]
+    strides = np.cumprod((1, *shape[:0:-1]))[::-1].astype(np.uint32)
+    # The flat index of every element of one leading row, relative to that row's start.
+    within = np.zeros(data.shape[1:], np.uint32)
+    for axis in range(1, data.ndim):
+        along = (starts[axis] + np.arange(data.shape[axis], dtype=np.uint32)) * strides[axis]
+        within = within + along.reshape((-1,) + (1,) * (data.ndim - axis - 1))
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[data.dtype.itemsize]
+    rows_per_block = max(1, DIGEST_BLOCK // max(within.size, 1))
+    total = np.zeros(2, np.uint32)
+    for first in range(0, data.shape[0], rows_per_block):
+        rows = data[first:first + rows_per_block]
+        bits = rows.view(unsigned).astype(np.uint32)
+        row_starts = (starts[0] + first + np.arange(len(rows), dtype=np.uint32)) * strides[0]
+        flat = row_starts.reshape((-1,) + (1,) * (data.ndim - 1)) + within
+        total += np.array([np.sum(bits * (flat * np.uint32(multiplier) + np.uint32(offset)),
+                                  dtype=np.uint32)
+                           for multiplier, offset in DIGEST_MULTIPLIERS], np.uint32)
+    return total
 
 
 def _require_same_held_weights(stored: dict[str, Any], held: dict[str, str], config: TrainConfig,

@@ -149,6 +149,7 @@ def fsdp_across_processes(work_dir: str) -> None:
     from test_sharding import _train
 
     from gemmalab.model import mesh
+    from gemmalab.train import params
     from gemmalab.weights import orbax_params
 
     losses, state = _train({"fsdp": -1}, jax.devices())
@@ -167,7 +168,9 @@ def fsdp_across_processes(work_dir: str) -> None:
               "restored_sharding_equal": restored["layer_0"]["mlp"]["linear"].sharding
               == linear.sharding,
               "local_shard_shape": list(linear.addressable_shards[0].data.shape),
-              "global_shape": list(linear.shape)}
+              "global_shape": list(linear.shape),
+              # Each process sums its own shards; the sums are added up across processes.
+              "digest": params.weights_digest(restored)}
     with open(f"{work_dir}/fsdp{jax.process_index()}.json", "w") as f:
         json.dump(result, f)
 

@@ -11,6 +11,8 @@ import pytest
 from conftest import free_port
 
 from gemmalab.data import documents
+from gemmalab.train import params
+from gemmalab.weights import orbax_params
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
@@ -84,6 +86,9 @@ def test_fsdp_spanning_two_processes_matches_one_process(tmp_path):
         assert result["restored_equal"] and result["restored_sharding_equal"]
         rows, width = result["global_shape"]
         assert result["local_shard_shape"] == [rows, width // 4]
+    # The held weights' digest of the sharded params is that of the same params in one process.
+    saved = orbax_params.load_params(str(tmp_path / "fsdp-params"))
+    assert results[0]["digest"] == results[1]["digest"] == params.weights_digest(saved)
 
 
 @pytest.mark.slow
