@@ -37,3 +37,40 @@ def test_model_config_round_trips_through_json():
         config = presets.model_config(name, 4096)
         rebuilt = presets.config_from_dict(json.loads(json.dumps(presets.config_to_dict(config))))
         assert rebuilt == config
+
+
+def test_random_init_draws_each_weight_from_its_own_key_with_its_fan_in_std():
+    """gemma's tree and shapes; norm scales at gemma's zeros; each weight ``normal(key_i) *
+    std_i`` with key_i the i-th of the seed's keys (as every earlier version drew it: a random
+    init base is drawn again from the run's seed), std 1/sqrt(fan-in), scaled down for the
+    projections back into the residual stream."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    model = presets.build_model(presets.model_config("gemma3-tiny", 64), param_dtype=jnp.float32)
+    params = presets.init_params(model, seed=3, sample_length=8)
+    gemmas = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), gemmas)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    keys = jax.random.split(jax.random.split(jax.random.key(3))[1], len(leaves))
+    depth_scale = 1.0 / np.sqrt(2 * model.config.num_layers)
+    expected_std = {"['layer_1']['attn']['q_einsum']['w']": lambda w: 1 / np.sqrt(w.shape[1]),
+                    "['layer_1']['mlp']['linear']": lambda w: depth_scale / np.sqrt(w.shape[0]),
+                    "['embedder']['input_embedding']": lambda w: 1 / np.sqrt(w.shape[1])}
+    for i, (path, weight) in enumerate(leaves):
+        name = jax.tree_util.keystr(path)
+        if weight.ndim < 2:
+            assert path[-1].key == "scale" and not np.any(np.asarray(weight)), name
+        elif name in expected_std:
+            std = expected_std.pop(name)(weight)
+            np.testing.assert_allclose(
+                weight, jax.random.normal(keys[i], weight.shape, jnp.float32) * std, rtol=1e-6)
+            assert abs(float(jnp.std(weight)) / std - 1) < 0.1, name
+    assert not expected_std  # every weight above was found
+    again = presets.init_params(model, seed=3, sample_length=8)
+    other = presets.init_params(model, seed=4, sample_length=8)
+    first = jax.tree.leaves(params)[0]  # the embedding
+    assert np.array_equal(jax.tree.leaves(again)[0], first)
+    assert not np.array_equal(jax.tree.leaves(other)[0], first)
