@@ -4,6 +4,9 @@ only prove they run and report what they claim)."""
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -39,3 +42,30 @@ def test_gguf_import_bench_reports_phases_and_rates(tmp_path):
     assert row["load_s"] > 0 and len(results["effective_cores"]) == 1
     assert (tmp_path / "gguf_import.json").is_file()
     assert not list((tmp_path / "work").glob("cache-*"))
+
+
+def test_cpu_dot_forms_compute_the_same_products_in_each_form():
+    """The embedding gradient's three forms are one matrix (one of them transposed), and so are
+    the square products and the input gradients in their two spellings: equal work timed."""
+    import cpu_dot_forms
+
+    table = {name: (fn, operands) for name, fn, operands, _ in
+             cpu_dot_forms.forms(vocab=96, tokens=16, dim=8, size=32)}
+
+    def run(prefix):
+        (fn, operands), = [v for k, v in table.items() if k.startswith(prefix)]
+        return jax.jit(fn)(*operands).astype(jnp.float32)
+
+    autodiff = run("embedding gradient tv,td->vd")
+    assert autodiff.shape == (96, 8)
+    np.testing.assert_allclose(run("embedding gradient g^T copied"), autodiff, rtol=1e-5)
+    np.testing.assert_allclose(run("embedding gradient transposed").T, autodiff, rtol=1e-5)
+    np.testing.assert_allclose(run("square a.b^T"), run("square einsum mk,nk"), rtol=2e-2,
+                               atol=1e-1)
+    for contracted in (32, 8):
+        np.testing.assert_allclose(
+            run(f"its input gradient as autodiff emits it (dy.w^T, {contracted} contracted)"),
+            run(f"the same written dy @ w.T ({contracted} contracted)"), rtol=2e-2, atol=1e-1)
+    fn, operands = table["logits x.E^T"]
+    seconds, gflops = cpu_dot_forms.rate(fn, *operands, flops=2.0 * 16 * 96 * 8, repeats=1)
+    assert seconds > 0 and gflops == pytest.approx(2.0 * 16 * 96 * 8 / seconds / 1e9)
