@@ -80,11 +80,11 @@ interop: $(STAMP) $(INTEROP)/.installed
 
 # A fresh run each time: a run directory that holds checkpoints would be resumed instead.
 # The demo's recipe on 2 CPU cores (bench/demo_recipe.py, docs/benchmarks.md): the notebook's
-# defaults (the embedded Gemma 3 270M, LoRA r8) at a size that trains in minutes, also on CPUs
-# without bf16 matmul units (16 steps of 15 s there; ~5 s with AMX).
+# defaults (the embedded Gemma 3 270M, LoRA r8 at its default LR 1e-3) at a size that trains in
+# minutes, also on CPUs without bf16 matmul units (16 steps of 15 s there; ~5 s with AMX).
 # papermill's command line, the kernel ended as soon as the last cell is done (gemmalab/headless.py).
 HEADLESS := $(VENV)/bin/python -m gemmalab.headless
-DEMO := -p batch_size 8 -p maxlen 128 -p max_steps 16 -p learning_rate 1e-3 \
+DEMO := -p batch_size 8 -p maxlen 128 -p max_steps 16 \
 	-p embedded_stories 2000 -p max_eval_stories 16 -p eval_every 8
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)

@@ -16,8 +16,8 @@ import tempfile
 import time
 
 RECIPES = {
-    "lora8-2e-4": {"lora_rank": 8, "learning_rate": 2e-4},  # the preset's LoRA default
-    "lora8-1e-3": {"lora_rank": 8, "learning_rate": 1e-3},
+    "lora8-2e-4": {"lora_rank": 8, "learning_rate": 2e-4},  # PEFT's usual rate
+    "lora8-1e-3": {"lora_rank": 8, "learning_rate": 1e-3},  # the preset's LoRA default
     "lora8-2e-3": {"lora_rank": 8, "learning_rate": 2e-3},
     "lora16-5e-4": {"lora_rank": 16, "learning_rate": 5e-4},
     "full-5e-5": {"lora_rank": 0, "learning_rate": 5e-5},

@@ -15,12 +15,15 @@ held-out perplexity transformers + PEFT reaches after ``--peft-steps`` steps of 
 - transformers + PEFT, the recipe of ``transformers.Trainer``'s defaults: AdamW at lr 2e-4, no
   weight decay, linear decay to 0 with no warmup, gradients clipped at 1.0; windows of the
   training documents padded to each batch's longest, padding out of the loss.
-- gemmalab: its defaults for a LoRA run of the same length (packed rows, bfloat16 compute,
-  lr 2e-4 with 5% warmup and cosine decay, alpha = rank) through ``Experiment``'s own step and
-  batches; only the held-out evaluation in between is added (and not timed).
+- gemmalab: its defaults for a LoRA run of the same length (packed rows, bfloat16 compute, the
+  preset's LoRA rate, 1e-3 for the 270M, with 5% warmup and cosine decay, alpha = rank) through
+  ``Experiment``'s own step and batches; only the held-out evaluation in between is added (and
+  not timed). ``--gemmalab-lr 2e-4`` runs it at PEFT's rate instead.
 
 Training seconds are the steps' own (data included), the first step (compile or warm-up) left
-out on both sides. Both sides are measured in one invocation, one after the other.
+out on both sides. Both sides run in one invocation, in two processes that take turns of
+``--turns`` steps (so both see the same machine); ``--turns 0`` runs PEFT to its end, then
+gemmalab until it reaches PEFT's final loss.
 """
 
 from __future__ import annotations
@@ -40,6 +43,28 @@ import vs_hf_peft
 
 HELD_OUT_SHARE = 0.15
 EVAL_BATCH = 8
+
+
+class Turns:
+    """Both sides' processes take turns, ``block`` steps each, so that both see the same machine:
+    a shared VM's speed moves by up to 2x within minutes, and a run of one side after the other
+    would measure the host's mood as much as the loops. ``block`` 0: no turns (run straight)."""
+
+    def __init__(self, block: int):
+        self.block = block
+
+    def ready(self) -> None:
+        """Loaded and compiled: the parent starts the turns once both sides are."""
+        if self.block:
+            print("READY", flush=True)
+
+    def before(self, step: int) -> None:
+        if self.block and (step - 1) % self.block == 0 and sys.stdin.readline().strip() != "go":
+            raise SystemExit("the parent went away")
+
+    def after(self, step: int, last: bool) -> None:
+        if self.block and step % self.block == 0 and not last:  # the last turn ends in RESULT
+            print("TURN", flush=True)
 
 
 def manual_documents() -> list[str]:
@@ -101,7 +126,8 @@ def held_out_rows(out: Path, maxlen: int) -> list[list[int]]:
     return vs_hf_peft.windows(json.loads((out / "splits.json").read_text())["held_out"], maxlen)
 
 
-def run_peft(out: Path, batch: int, maxlen: int, steps: int, every: int, dtype: str) -> dict:
+def run_peft(out: Path, batch: int, maxlen: int, steps: int, every: int, dtype: str,
+             turns: Turns) -> dict:
     import peft
     import torch
     import transformers
@@ -140,7 +166,9 @@ def run_peft(out: Path, batch: int, maxlen: int, steps: int, every: int, dtype: 
     curve = [{"step": 0, "seconds": 0.0, "held_out_loss": held_out_loss()}]
     seconds = useful = 0.0
     model.train()
+    turns.ready()
     for step in range(1, steps + 1):
+        turns.before(step)
         picked = [rows[order[((step - 1) * batch + i) % len(rows)]] for i in range(batch)]
         begin = time.perf_counter()
         inputs, labels, attention = padded(picked)
@@ -161,11 +189,12 @@ def run_peft(out: Path, batch: int, maxlen: int, steps: int, every: int, dtype: 
         if step % every == 0 or step == steps:
             curve.append({"step": step, "seconds": seconds, "held_out_loss": held_out_loss()})
             print(json.dumps(curve[-1]), file=sys.stderr, flush=True)
+        turns.after(step, step == steps)
     return {"curve": curve, "useful_tokens_per_s": useful / seconds}
 
 
 def run_gemmalab(out: Path, cache_dir: Path, batch: int, maxlen: int, steps: int, every: int,
-                 target: float | None) -> dict:
+                 target: float | None, turns: Turns, learning_rate: float | None = None) -> dict:
     import tempfile
 
     import jax
@@ -182,7 +211,7 @@ def run_gemmalab(out: Path, cache_dir: Path, batch: int, maxlen: int, steps: int
             checkpoint="embedded:gemma3-270m", cache_dir=str(cache_dir),
             data_path=str(out / "prose.txt"), batch_size=batch, maxlen=maxlen,
             lora_rank=vs_hf_peft.RANK, max_steps=steps, eval_every=0, checkpoint_every=0,
-            max_eval_stories=8, output_dir=output_dir))
+            max_eval_stories=8, output_dir=output_dir, learning_rate=learning_rate))
         weights = experiment.weights
         evaluate_step = optimization.make_eval_step(
             experiment.model, jnp.float32, experiment.mesh, weights.state_shardings.params,
@@ -208,7 +237,9 @@ def run_gemmalab(out: Path, cache_dir: Path, batch: int, maxlen: int, steps: int
         train_step = experiment.train_step
         curve = [{"step": 0, "seconds": 0.0, "held_out_loss": held_out_loss()}]
         seconds = useful = 0.0
+        turns.ready()
         for step in range(1, steps + 1):
+            turns.before(step)
             begin = time.perf_counter()
             batch_ = experiment.next_batch()
             weights.state, metrics = train_step(weights.state, batch_, weights.frozen)
@@ -224,22 +255,63 @@ def run_gemmalab(out: Path, cache_dir: Path, batch: int, maxlen: int, steps: int
                 print(json.dumps(curve[-1]), file=sys.stderr, flush=True)
                 if target is not None and curve[-1]["held_out_loss"] <= target:
                     break  # reached: the rest of the schedule is not needed for the figure
+            turns.after(step, step == steps)
         jax.block_until_ready(weights.state)
     return {"curve": curve, "useful_tokens_per_s": useful / max(seconds, 1e-9)}
 
 
-def child(args: argparse.Namespace, side: str, target: float | None = None) -> dict:
-    command = [sys.executable, __file__, "--one", side, "--out", str(args.out), "--cache-dir",
-               str(args.cache_dir), "--site-packages", str(args.site_packages),
-               "--peft-steps", str(args.peft_steps), "--gemmalab-steps",
-               str(args.gemmalab_steps), "--every", str(args.every), "--batch-size",
-               str(args.batch_size), "--maxlen", str(args.maxlen), "--peft-dtype",
-               args.peft_dtype] + (["--target", repr(target)] if target is not None else [])
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+def child_command(args: argparse.Namespace, side: str, target: float | None = None) -> list[str]:
+    return [sys.executable, __file__, "--one", side, "--out", str(args.out), "--cache-dir",
+            str(args.cache_dir), "--site-packages", str(args.site_packages),
+            "--peft-steps", str(args.peft_steps), "--gemmalab-steps", str(args.gemmalab_steps),
+            "--every", str(args.every), "--batch-size", str(args.batch_size), "--maxlen",
+            str(args.maxlen), "--peft-dtype", args.peft_dtype, "--turns", str(args.turns)] + (
+                ["--target", repr(target)] if target is not None else []) + (
+                ["--gemmalab-lr", repr(args.gemmalab_lr)] if args.gemmalab_lr else [])
+
+
+def result_of(side: str, stdout: str) -> dict:
+    line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
-        raise SystemExit(f"{side} failed:\n{done.stdout[-3000:]}")
+        raise SystemExit(f"{side} failed:\n{stdout[-3000:]}")
     return json.loads(line[len("RESULT "):])
+
+
+def child(args: argparse.Namespace, side: str, target: float | None = None) -> dict:
+    """One side alone, to its end."""
+    done = subprocess.run(child_command(args, side, target), stdout=subprocess.PIPE, text=True,
+                          check=False)
+    return result_of(side, done.stdout)
+
+
+def children_taking_turns(args: argparse.Namespace) -> dict[str, dict]:
+    """Both sides at once, each waiting for its turn of ``--turns`` steps (``Turns``); both load
+    and compile side by side, untimed."""
+    running = {side: subprocess.Popen(child_command(args, side), stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+               for side in ("peft", "gemmalab")}
+    for side, process in running.items():
+        if not any(line.startswith("READY") for line in process.stdout):
+            raise SystemExit(f"{side} ended before its first step: its log is above")
+    results: dict[str, dict] = {}
+    while running:
+        for side, process in list(running.items()):
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            turn_ended = False
+            for line in process.stdout:
+                if line.startswith("TURN"):
+                    turn_ended = True
+                    break
+                if line.startswith("RESULT "):
+                    results[side] = result_of(side, line)
+                    break
+            if side in results:
+                process.wait()
+                del running[side]
+            elif not turn_ended:
+                raise SystemExit(f"{side} ended without a result: its log is above")
+    return results
 
 
 def seconds_to_reach(curve: list[dict], target: float) -> float | None:
@@ -259,17 +331,24 @@ def main() -> None:
     parser.add_argument("--gemmalab-steps", type=int, default=100,
                         help="the length of gemmalab's run (its schedule); it stops once it "
                         "reaches PEFT's held-out loss")
+    parser.add_argument("--gemmalab-lr", type=float, default=None,
+                        help="gemmalab's peak learning rate (default: its own for the preset)")
     parser.add_argument("--every", type=int, default=10, help="steps between held-out evals")
+    parser.add_argument("--turns", type=int, default=5,
+                        help="steps a side runs before the other takes its turn; 0: PEFT to its "
+                        "end, then gemmalab until it reaches PEFT's loss")
     parser.add_argument("--peft-dtype", default="float32", choices=["bfloat16", "float32"],
                         help="torch's weights and compute (float32 on CPUs without bf16 units)")
     args = vs_hf_peft.resolved(parser.parse_args())
     if args.one:
+        turns = Turns(args.turns)
         if args.one == "peft":
             result = run_peft(args.out, args.batch_size, args.maxlen, args.peft_steps,
-                              args.every, args.peft_dtype)
+                              args.every, args.peft_dtype, turns)
         else:
             result = run_gemmalab(args.out, args.cache_dir, args.batch_size, args.maxlen,
-                                  args.gemmalab_steps, args.every, args.target)
+                                  args.gemmalab_steps, args.every, args.target, turns,
+                                  args.gemmalab_lr)
         print("RESULT " + json.dumps(result))
         return
 
@@ -277,9 +356,14 @@ def main() -> None:
         print("prepared before:", args.out, flush=True)
     else:
         print("prepare:", json.dumps(prepare(args.out, args.cache_dir)), flush=True)
-    peft_result = child(args, "peft")
-    target = peft_result["curve"][-1]["held_out_loss"]
-    gemmalab_result = child(args, "gemmalab", target)
+    if args.turns:
+        results = children_taking_turns(args)
+        peft_result, gemmalab_result = results["peft"], results["gemmalab"]
+        target = peft_result["curve"][-1]["held_out_loss"]
+    else:
+        peft_result = child(args, "peft")
+        target = peft_result["curve"][-1]["held_out_loss"]
+        gemmalab_result = child(args, "gemmalab", target)
     reached = seconds_to_reach(gemmalab_result["curve"], target)
     peft_seconds = peft_result["curve"][-1]["seconds"]
     report = {"target_held_out_loss": target, "target_perplexity": math.exp(target),

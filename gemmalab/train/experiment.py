@@ -117,7 +117,7 @@ class Experiment:
                            modules=config.lora_modules, dtype=param_dtype, token_ids=token_ids)
                  if config.lora_rank else base_model)
         peak_lr = config.learning_rate or presets.default_learning_rate(
-            config.model, lora=config.lora_rank > 0)
+            config.model, lora=config.lora_rank > 0, objective=config.objective)
         schedule = optimization.learning_rate_schedule(peak_lr, data.total_steps,
                                                        warmup_ratio=config.warmup_ratio,
                                                        min_lr_ratio=config.min_lr_ratio)

@@ -74,3 +74,14 @@ def test_random_init_draws_each_weight_from_its_own_key_with_its_fan_in_std():
     first = jax.tree.leaves(params)[0]  # the embedding
     assert np.array_equal(jax.tree.leaves(again)[0], first)
     assert not np.array_equal(jax.tree.leaves(other)[0], first)
+
+
+def test_default_learning_rates_follow_lora_and_the_objective():
+    lr = presets.default_learning_rate
+    # The 270M's LoRA rate came from measured sweeps (docs/benchmarks.md); DPO takes its own.
+    assert lr("gemma3-270m", lora=True) == 1e-3
+    assert lr("gemma3-270m", lora=True, objective="dpo") == 1e-4
+    assert lr("gemma3-270m", lora=False, objective="dpo") == lr("gemma3-270m", lora=False)
+    # A preset without a DPO rate keeps its LoRA rate for DPO.
+    assert lr("gemma3-1b", lora=True, objective="dpo") == lr("gemma3-1b", lora=True) == 2e-4
+    assert lr("gemma3-tiny", lora=True, objective="dpo") == lr("gemma3-tiny", lora=True)
