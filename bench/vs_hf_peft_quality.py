@@ -88,11 +88,23 @@ def manual_documents() -> list[str]:
     return documents
 
 
-def held_out(text: str) -> bool:
-    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 2**32 < HELD_OUT_SHARE
+def held_out(text: str, salt: str = "") -> bool:
+    digest = hashlib.sha256((salt + text).encode()).hexdigest()
+    return int(digest[:8], 16) / 2**32 < HELD_OUT_SHARE
 
 
-def prepare(out: Path, cache_dir: Path) -> dict:
+def split_of(text: str, validation: bool) -> str | None:
+    """``held_out`` or ``train``; with ``validation`` the held-out documents are left out and a
+    salted share of the training documents is held out in their place (for choosing a recipe
+    without looking at the documents its figure is measured on)."""
+    if not validation:
+        return "held_out" if held_out(text) else "train"
+    if held_out(text):
+        return None
+    return "held_out" if held_out(text, salt="validation:") else "train"
+
+
+def prepare(out: Path, cache_dir: Path, validation: bool = False) -> dict:
     """The train corpus (gemmalab's text format), both splits tokenized, the HF export."""
     from gemmalab.config import TrainConfig
     from gemmalab.train.experiment import Experiment
@@ -107,9 +119,10 @@ def prepare(out: Path, cache_dir: Path) -> dict:
     texts: list[str] = []
     for text in sorted(set(vs_hf_peft.prose_documents() + manual_documents())):
         ids = [2, *tokenizer.encode(text), 1]
-        if vs_hf_peft.MIN_TOKENS <= len(ids) - 2 <= vs_hf_peft.MAX_TOKENS:
-            splits["held_out" if held_out(text) else "train"].append(ids)
-            if not held_out(text):
+        split = split_of(text, validation)
+        if split and vs_hf_peft.MIN_TOKENS <= len(ids) - 2 <= vs_hf_peft.MAX_TOKENS:
+            splits[split].append(ids)
+            if split == "train":
                 texts.append(text)
     (out / "prose.txt").write_text("".join(f"{t}\n<|endoftext|>\n" for t in texts),
                                    encoding="utf-8")
@@ -334,6 +347,11 @@ def main() -> None:
     parser.add_argument("--gemmalab-lr", type=float, default=None,
                         help="gemmalab's peak learning rate (default: its own for the preset)")
     parser.add_argument("--every", type=int, default=10, help="steps between held-out evals")
+    parser.add_argument("--validation", action="store_true",
+                        help="prepare --out with a validation split of the training documents "
+                        "held out instead (the held-out documents left out): for choosing a "
+                        "recipe")
+    parser.add_argument("--prepare-only", action="store_true")
     parser.add_argument("--turns", type=int, default=5,
                         help="steps a side runs before the other takes its turn; 0: PEFT to its "
                         "end, then gemmalab until it reaches PEFT's loss")
@@ -355,7 +373,10 @@ def main() -> None:
     if (args.out / "splits.json").exists() and (args.out / "hf").exists():
         print("prepared before:", args.out, flush=True)
     else:
-        print("prepare:", json.dumps(prepare(args.out, args.cache_dir)), flush=True)
+        print("prepare:", json.dumps(prepare(args.out, args.cache_dir, args.validation)),
+              flush=True)
+    if args.prepare_only:
+        return
     if args.turns:
         results = children_taking_turns(args)
         peft_result, gemmalab_result = results["peft"], results["gemmalab"]

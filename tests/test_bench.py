@@ -69,3 +69,50 @@ def test_cpu_dot_forms_compute_the_same_products_in_each_form():
     fn, operands = table["logits x.E^T"]
     seconds, gflops = cpu_dot_forms.rate(fn, *operands, flops=2.0 * 16 * 96 * 8, repeats=1)
     assert seconds > 0 and gflops == pytest.approx(2.0 * 16 * 96 * 8 / seconds / 1e9)
+
+
+FAKE_SIDE = """
+import json, sys
+from vs_hf_peft_quality import Turns
+side, steps, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+turns = Turns(2)
+turns.ready()
+for step in range(1, steps + 1):
+    turns.before(step)
+    with open(log, "a") as f:
+        f.write(f"{side} {step}\\n")
+    turns.after(step, step == steps)
+print("RESULT " + json.dumps({"side": side, "steps": steps}))
+"""
+
+
+def test_time_to_quality_sides_take_turns_of_steps_and_split_held_out_text(tmp_path,
+                                                                           monkeypatch):
+    """Each side runs its steps only in its own turn (the other waits), to its end; and the
+    validation split never holds a document of the held-out split, nor trains on one."""
+    import vs_hf_peft_quality as quality
+
+    script, log = tmp_path / "side.py", tmp_path / "steps.log"
+    script.write_text(FAKE_SIDE)
+    bench = str(Path(quality.__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", bench)
+    monkeypatch.setattr(quality, "child_command", lambda args, side: [
+        sys.executable, str(script), side, "5" if side == "peft" else "3", str(log)])
+    results = quality.children_taking_turns(None)
+    assert results == {"peft": {"side": "peft", "steps": 5},
+                       "gemmalab": {"side": "gemmalab", "steps": 3}}
+    assert log.read_text().split("\n")[:-1] == [
+        "peft 1", "peft 2", "gemmalab 1", "gemmalab 2", "peft 3", "peft 4", "gemmalab 3",
+        "peft 5"]
+
+    texts = [f"document {i}" for i in range(400)]
+    test = {t: quality.split_of(t, validation=False) for t in texts}
+    validation = {t: quality.split_of(t, validation=True) for t in texts}
+    assert 0.08 < sum(s == "held_out" for s in test.values()) / len(texts) < 0.22
+    for text in texts:
+        if test[text] == "held_out":
+            assert validation[text] is None  # never seen while choosing a recipe
+        else:
+            assert validation[text] in ("train", "held_out")
+    assert 0 < sum(s == "held_out" for s in validation.values()) < sum(
+        s == "train" for s in validation.values())
