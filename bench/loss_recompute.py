@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
@@ -55,6 +56,53 @@ def recompute() -> Iterator[None]:
         cross_entropy._fused_chunks = fused
 
 
+def side_by_side(config: TrainConfig, before: contextlib.AbstractContextManager, *,
+                 now: str, was: str, rounds: int) -> None:
+    """One ``Experiment``'s training step as it is (``now``) and traced inside ``before``
+    (``was``), compiled in one process: one step each from copies of the same state on the
+    same batch (losses and gradient norms to compare), then ``rounds`` alternating timed steps.
+    Also bench/embedding_gradient.py's."""
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = dataclasses.replace(config, output_dir=output_dir)
+        experiment = Experiment.prepare(config)
+        weights = experiment.weights
+        steps = {now: experiment.train_step}
+        rows = jax.ShapeDtypeStruct((config.batch_size, config.maxlen), jnp.int32,
+                                    sharding=mesh.batch_sharding(experiment.mesh))
+        with before:
+            step = optimization.make_train_step(
+                experiment.model, experiment.optimizer, experiment.schedule,
+                experiment.compute_dtype, experiment.mesh, weights.state_shardings,
+                frozen_shardings=weights.frozen_shardings)
+            steps[was] = step.lower(
+                weights.state, {name: rows for name in packing.FIELDS}, weights.frozen).compile()
+        batch = experiment.next_batch()
+        width = max(map(len, steps))
+        for name, compiled in steps.items():
+            memory = compiled.memory_analysis()
+            _, metrics = compiled(jax.tree.map(jnp.copy, weights.state), batch, weights.frozen)
+            print(f"{name:{width}s} loss {float(metrics['loss']):.6f}  grad_norm "
+                  f"{float(metrics['grad_norm']):.6f}  temporaries "
+                  f"{memory.temp_size_in_bytes / 2**30:.2f} GiB")
+        state, times = weights.state, {name: [] for name in steps}
+        for _ in range(rounds):
+            for name, compiled in steps.items():
+                started = time.perf_counter()
+                state, metrics = compiled(state, batch, weights.frozen)
+                jax.block_until_ready(metrics)
+                times[name].append(time.perf_counter() - started)
+    training = f"LoRA r{config.lora_rank}" if config.lora_rank else "full fine-tuning"
+    print(f"{config.batch_size} x {config.maxlen}, {training}, {rounds} alternating rounds")
+    report(times)
+
+
+def bench_config(**overrides: object) -> TrainConfig:
+    """The embedded 270M on its stories, a run long enough never to end while timed."""
+    return TrainConfig(**{"checkpoint": "embedded:gemma3-270m", "embedded_stories": 2000,
+                          "max_steps": 100, "eval_every": 0, "checkpoint_every": 0,
+                          "max_eval_stories": 8, **overrides})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--maxlen", type=int, default=512)
@@ -62,41 +110,10 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-
-    with tempfile.TemporaryDirectory() as output_dir:
-        config = TrainConfig(checkpoint="embedded:gemma3-270m", lora_rank=args.lora_rank,
-                             batch_size=args.batch_size, maxlen=args.maxlen,
-                             embedded_stories=2000, max_steps=100, eval_every=0,
-                             checkpoint_every=0, max_eval_stories=8, output_dir=output_dir)
-        experiment = Experiment.prepare(config)
-        weights = experiment.weights
-        steps = {"fused (now)": experiment.train_step}
-        rows = jax.ShapeDtypeStruct((config.batch_size, config.maxlen), jnp.int32,
-                                    sharding=mesh.batch_sharding(experiment.mesh))
-        with recompute():
-            step = optimization.make_train_step(
-                experiment.model, experiment.optimizer, experiment.schedule,
-                experiment.compute_dtype, experiment.mesh, weights.state_shardings,
-                frozen_shardings=weights.frozen_shardings)
-            steps["recompute (before)"] = step.lower(
-                weights.state, {name: rows for name in packing.FIELDS}, weights.frozen).compile()
-        batch = experiment.next_batch()
-        for name, compiled in steps.items():
-            memory = compiled.memory_analysis()
-            _, metrics = compiled(jax.tree.map(jnp.copy, weights.state), batch, weights.frozen)
-            print(f"{name:20s} loss {float(metrics['loss']):.6f}  grad_norm "
-                  f"{float(metrics['grad_norm']):.6f}  temporaries "
-                  f"{memory.temp_size_in_bytes / 2**30:.2f} GiB")
-        state, times = weights.state, {name: [] for name in steps}
-        for _ in range(args.rounds):
-            for name, compiled in steps.items():
-                started = time.perf_counter()
-                state, metrics = compiled(state, batch, weights.frozen)
-                jax.block_until_ready(metrics)
-                times[name].append(time.perf_counter() - started)
-    print(f"{config.batch_size} x {config.maxlen}, LoRA r{config.lora_rank}, "
-          f"{args.rounds} alternating rounds")
-    report(times)
+    config = bench_config(lora_rank=args.lora_rank, batch_size=args.batch_size,
+                          maxlen=args.maxlen)
+    side_by_side(config, recompute(), now="fused (now)", was="recompute (before)",
+                 rounds=args.rounds)
 
 
 if __name__ == "__main__":

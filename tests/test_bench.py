@@ -44,6 +44,39 @@ def test_gguf_import_bench_reports_phases_and_rates(tmp_path):
     assert not list((tmp_path / "work").glob("cache-*"))
 
 
+def test_embedding_gradient_bench_times_the_same_gradient_in_both_forms():
+    """bench/embedding_gradient.py's "before" (token-major logits, float32 operands) and the
+    loss's vocabulary-major form give the embedding the same gradient, chunked, with LoRA's
+    trained token rows, per segment and through a soft cap."""
+    import embedding_gradient
+
+    from gemmalab.model import cross_entropy
+
+    rng = np.random.default_rng(2)
+    hidden = jnp.asarray(rng.normal(size=(2, 10, 8)), jnp.bfloat16)
+    embedding = jnp.asarray(rng.normal(size=(50, 8)), jnp.bfloat16)
+    update = jnp.asarray(rng.normal(size=(2, 8)) * 0.1, jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(0, 50, (2, 10)))
+    mask = jnp.asarray(rng.random((2, 10)) > 0.3)
+    segments = jnp.asarray(np.repeat([[1, 1, 1, 2, 2, 3, 3, 3, 3, 0]], 2, 0))
+
+    def gradient():
+        def loss(e):
+            sums, _ = cross_entropy.chunked_segment_nll(
+                hidden, e, targets, mask, segments, num_segments=3, softcap=5.0,
+                max_logits=3 * 50 * 2, row_updates=(jnp.asarray([3, 7]), update))
+            return jnp.sum(sums * jnp.asarray([1.0, -2.0, 0.5]))
+        return jax.jit(jax.grad(loss))(embedding).astype(jnp.float32)
+
+    now = gradient()
+    with embedding_gradient.token_major():
+        before = gradient()
+    assert float(jnp.abs(now).max()) > 0
+    # bf16 gradients, rounded in other places: within a few of bf16's 2^-8 relative steps.
+    print("maxdiff", float(jnp.abs(now - before).max()), float(jnp.abs(now).max()))
+    np.testing.assert_allclose(now, before, rtol=0.03, atol=0.03 * float(jnp.abs(now).max()))
+
+
 def test_cpu_dot_forms_compute_the_same_products_in_each_form():
     """The embedding gradient's three forms are one matrix (one of them transposed), and so are
     the square products and the input gradients in their two spellings: equal work timed."""

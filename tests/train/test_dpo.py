@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model
 
 from gemmalab.config import TrainConfig
 from gemmalab.model import lora, mesh, presets, sharding
@@ -16,11 +17,8 @@ from gemmalab.train import optimization
 VOCAB, SIDE = 64, 7  # each side of a pair: SIDE tokens, the last 3 of them the reply
 
 
-def _tiny(vocab=VOCAB, maxlen=32, seed=0):
-    config = presets.model_config("gemma3-tiny", vocab)
-    model = presets.build_model(config, param_dtype=jnp.float32)
-    params = model.init(jax.random.key(seed), jnp.zeros((1, maxlen), jnp.int32))["params"]
-    return model, params
+def _tiny(seed=0):
+    return tiny_model(VOCAB, seed)
 
 
 def _pair_tokens(rng) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model
 
 from gemmalab.data import packing
 from gemmalab.model import cross_entropy, mesh, presets, sharding
@@ -82,11 +83,8 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert float(schedule(5)) == pytest.approx(5e-4)
 
 
-def _tiny_setup(vocab=64, maxlen=16):
-    config = presets.model_config("gemma3-tiny", vocab)
-    model = presets.build_model(config, param_dtype=jnp.float32)
-    params = model.init(jax.random.key(0), jnp.zeros((1, maxlen), jnp.int32))["params"]
-    return model, params
+def _tiny_setup(vocab=64):
+    return tiny_model(vocab)
 
 
 def _batch(rows=8, maxlen=16, vocab=64, seed=0):
@@ -110,7 +108,9 @@ def test_params_are_fp32_masters_and_a_step_learns():
     schedule = optimization.learning_rate_schedule(1e-2, 20, warmup_ratio=0.0, min_lr_ratio=1.0)
     optimizer = optimization.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
                                             max_grad_norm=1.0)
-    state, shardings = optimization.init_state(params, optimizer, device_mesh)
+    # A copy: the step donates its state, and the tiny model's params are shared (conftest).
+    state, shardings = optimization.init_state(jax.tree.map(np.asarray, params), optimizer,
+                                               device_mesh)
     step = optimization.make_train_step(model, optimizer, schedule, jnp.bfloat16, device_mesh,
                                         shardings)
     batch = mesh.global_batch(_batch(), device_mesh)
@@ -138,8 +138,8 @@ def test_padding_does_not_change_loss_or_gradients():
         total, count = optimization.forward_loss(model, p, b, jnp.float32)
         return total / count
 
-    value, grads = jax.value_and_grad(loss)(params, batch)
-    value2, grads2 = jax.value_and_grad(loss)(params, changed)
+    value, grads = jax.jit(jax.value_and_grad(loss))(params, batch)
+    value2, grads2 = jax.jit(jax.value_and_grad(loss))(params, changed)
     assert float(value) == pytest.approx(float(value2), rel=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads2), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -159,15 +159,20 @@ def test_packed_segments_do_not_see_each_other():
     packed["segment_ids"][0, 6:12], packed["positions"][0, 6:12] = 2, np.arange(6)
     only_first = dict(packed, segment_ids=np.where(packed["segment_ids"] == 2, 3, 1) *
                       (packed["segment_ids"] > 0))
-    total_alone, _ = optimization.forward_loss(model, params, alone, jnp.float32)
-    logits_mask = only_first["segment_ids"] == 1
-    output = model.apply({"params": params}, jnp.asarray(packed["tokens"]),
-                         positions=jnp.asarray(packed["positions"]),
-                         attention_mask=optimization.attention_mask(
-                             jnp.asarray(packed["segment_ids"])))
-    total_first, _ = cross_entropy.masked_cross_entropy(
-        output.logits, jnp.asarray(packed["targets"]), jnp.asarray(logits_mask))
-    assert float(total_first) == pytest.approx(float(total_alone), rel=1e-5)
+    total_alone, _ = jax.jit(lambda p: optimization.forward_loss(model, p, alone,
+                                                                  jnp.float32))(params)
+
+    @jax.jit
+    def first_story_loss(p):
+        output = model.apply({"params": p}, jnp.asarray(packed["tokens"]),
+                             positions=jnp.asarray(packed["positions"]),
+                             attention_mask=optimization.attention_mask(
+                                 jnp.asarray(packed["segment_ids"])))
+        return cross_entropy.masked_cross_entropy(
+            output.logits, jnp.asarray(packed["targets"]),
+            jnp.asarray(only_first["segment_ids"] == 1))[0]
+
+    assert float(first_story_loss(params)) == pytest.approx(float(total_alone), rel=1e-5)
 
 
 def test_evaluate_counts_every_real_target():
@@ -178,7 +183,8 @@ def test_evaluate_counts_every_real_target():
     batches = [_batch(seed=1), _batch(seed=2)]
     held_out = optimization.evaluate(eval_step, jax.device_put(params), batches, device_mesh)
     loss, perplexity = held_out["eval_loss"], held_out["eval_perplexity"]
-    totals = [optimization.forward_loss(model, params, b, jnp.float32) for b in batches]
+    forward_loss = jax.jit(lambda p, b: optimization.forward_loss(model, p, b, jnp.float32))
+    totals = [forward_loss(params, b) for b in batches]
     expected = sum(float(t) for t, _ in totals) / sum(float(n) for _, n in totals)
     assert loss == pytest.approx(expected, rel=1e-5)
     assert perplexity == pytest.approx(math.exp(expected), rel=1e-5)
