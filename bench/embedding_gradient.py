@@ -18,14 +18,13 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
 
 import jax.numpy as jnp
 
 from gemmalab.model import cross_entropy
 
 sys.path.insert(0, os.path.dirname(__file__))
-from loss_recompute import bench_config, side_by_side  # noqa: E402  (beside this file)
+from loss_recompute import bench_config, loss_part_replaced, side_by_side  # noqa: E402  (beside this file)
 
 
 def token_major_gradient(embedding, update, ids, softcap, h, weight, targets, mask, logsumexp):
@@ -38,14 +37,8 @@ def token_major_gradient(embedding, update, ids, softcap, h, weight, targets, ma
                       h.astype(jnp.float32)).astype(embedding.dtype)
 
 
-@contextlib.contextmanager
-def token_major() -> Iterator[None]:
-    now = cross_entropy._chunk_embedding_gradient
-    cross_entropy._chunk_embedding_gradient = token_major_gradient
-    try:
-        yield
-    finally:
-        cross_entropy._chunk_embedding_gradient = now
+def token_major() -> contextlib.AbstractContextManager:
+    return loss_part_replaced("_chunk_embedding_gradient", token_major_gradient)
 
 
 def main() -> None:

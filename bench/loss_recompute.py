@@ -19,7 +19,8 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,13 +48,18 @@ def recomputed_chunks(hidden, embedding, update, fields, ids, softcap, num_segme
 
 
 @contextlib.contextmanager
-def recompute() -> Iterator[None]:
-    fused = cross_entropy._fused_chunks
-    cross_entropy._fused_chunks = recomputed_chunks
+def loss_part_replaced(name: str, previous: Callable[..., Any]) -> Iterator[None]:
+    """``cross_entropy.<name>`` is ``previous`` inside: a step traced there has the old form."""
+    now = getattr(cross_entropy, name)
+    setattr(cross_entropy, name, previous)
     try:
         yield
     finally:
-        cross_entropy._fused_chunks = fused
+        setattr(cross_entropy, name, now)
+
+
+def recompute() -> contextlib.AbstractContextManager:
+    return loss_part_replaced("_fused_chunks", recomputed_chunks)
 
 
 def side_by_side(config: TrainConfig, before: contextlib.AbstractContextManager, *,
