@@ -9,7 +9,6 @@ session's own directory, so another session (e.g. other CPU flags) never reads i
 """
 
 import atexit
-import functools
 import os
 import shutil
 import sys
@@ -56,35 +55,6 @@ def cache_dir(tmp_path_factory) -> Path:
 def stories_file(tmp_path_factory) -> Path:
     """A small TinyStories-format file from the embedded generator."""
     return corpus.write_corpus(tmp_path_factory.mktemp("data") / "stories.txt", 400, seed=1)
-
-
-def tiny_model(vocab: int, seed: int = 0):
-    """The tiny preset at ``vocab`` and float32 random params drawn from ``seed``: one model
-    object a vocabulary (so functions jitted over it compile once) and params built once a
-    process. A train step donates its state: tests hand steps copies
-    (``jax.tree.map(np.asarray, params)``)."""
-    return _tiny_preset(vocab)[0], _tiny_params(vocab, seed)
-
-
-@functools.cache
-def _tiny_preset(vocab: int):
-    import jax
-    import jax.numpy as jnp
-
-    from gemmalab.model import presets
-
-    model = presets.build_model(presets.model_config("gemma3-tiny", vocab),
-                                param_dtype=jnp.float32)
-    # Jitted: flax's init run op by op compiles each op on its own (~10 s here).
-    init = jax.jit(lambda key: model.init(key, jnp.zeros((1, 8), jnp.int32))["params"])
-    return model, init
-
-
-@functools.cache
-def _tiny_params(vocab: int, seed: int):
-    import jax
-
-    return _tiny_preset(vocab)[1](jax.random.key(seed))
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
+from test_optimization import tiny_model
 
 from gemmalab.config import TrainConfig
 from gemmalab.model import lora, mesh, presets, sharding

@@ -1,10 +1,10 @@
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
 
 from gemmalab.data import packing
 from gemmalab.model import cross_entropy, mesh, presets, sharding
@@ -81,6 +81,28 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert float(schedule(10)) == pytest.approx(1e-3)
     assert float(schedule(100)) == pytest.approx(1e-4)
     assert float(schedule(5)) == pytest.approx(5e-4)
+
+
+def tiny_model(vocab: int, seed: int = 0):
+    """The tiny preset at ``vocab`` and float32 random params drawn from ``seed``: one model
+    object a vocabulary (so functions jitted over it compile once) and params built once a
+    process (also train/test_dpo.py's). A train step donates its state: tests hand steps copies
+    (``jax.tree.map(np.asarray, params)``)."""
+    return _tiny_preset(vocab)[0], _tiny_params(vocab, seed)
+
+
+@functools.cache
+def _tiny_preset(vocab: int):
+    model = presets.build_model(presets.model_config("gemma3-tiny", vocab),
+                                param_dtype=jnp.float32)
+    # Jitted: flax's init run op by op compiles each op on its own (~10 s here).
+    init = jax.jit(lambda key: model.init(key, jnp.zeros((1, 8), jnp.int32))["params"])
+    return model, init
+
+
+@functools.cache
+def _tiny_params(vocab: int, seed: int):
+    return _tiny_preset(vocab)[1](jax.random.key(seed))
 
 
 def _tiny_setup(vocab=64):
