@@ -72,9 +72,9 @@ def test_embedding_gradient_bench_times_the_same_gradient_in_both_forms():
     with embedding_gradient.token_major():
         before = gradient()
     assert float(jnp.abs(now).max()) > 0
-    # bf16 gradients, rounded in other places: within a few of bf16's 2^-8 relative steps.
-    print("maxdiff", float(jnp.abs(now - before).max()), float(jnp.abs(now).max()))
-    np.testing.assert_allclose(now, before, rtol=0.03, atol=0.03 * float(jnp.abs(now).max()))
+    # bf16 gradients (equal here; other CPUs may round elsewhere): within two bf16 steps of
+    # the largest element.
+    np.testing.assert_allclose(now, before, rtol=1e-2, atol=float(jnp.abs(now).max()) / 128)
 
 
 def test_cpu_dot_forms_compute_the_same_products_in_each_form():

@@ -105,10 +105,6 @@ def _tiny_params(vocab: int, seed: int):
     return _tiny_preset(vocab)[1](jax.random.key(seed))
 
 
-def _tiny_setup(vocab=64):
-    return tiny_model(vocab)
-
-
 def _batch(rows=8, maxlen=16, vocab=64, seed=0):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(3, vocab, size=(rows, maxlen)).astype(np.int32)
@@ -123,14 +119,14 @@ def _batch(rows=8, maxlen=16, vocab=64, seed=0):
 
 @pytest.mark.slow
 def test_params_are_fp32_masters_and_a_step_learns():
-    model, params = _tiny_setup()
+    model, params = tiny_model(64)
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
     device_mesh = mesh.make_mesh()
     assert mesh.data_parallel_size(device_mesh) == 8  # conftest: 8 virtual CPU devices
     schedule = optimization.learning_rate_schedule(1e-2, 20, warmup_ratio=0.0, min_lr_ratio=1.0)
     optimizer = optimization.make_optimizer(schedule, weight_decay=0.0, b1=0.9, b2=0.95,
                                             max_grad_norm=1.0)
-    # A copy: the step donates its state, and the tiny model's params are shared (conftest).
+    # A copy: the step donates its state, and tiny_model's params are shared.
     state, shardings = optimization.init_state(jax.tree.map(np.asarray, params), optimizer,
                                                device_mesh)
     step = optimization.make_train_step(model, optimizer, schedule, jnp.bfloat16, device_mesh,
@@ -149,7 +145,7 @@ def test_params_are_fp32_masters_and_a_step_learns():
 
 @pytest.mark.slow
 def test_padding_does_not_change_loss_or_gradients():
-    model, params = _tiny_setup()
+    model, params = tiny_model(64)
     batch = _batch()
     changed = dict(batch)
     pad = batch["segment_ids"] == 0
@@ -160,8 +156,9 @@ def test_padding_does_not_change_loss_or_gradients():
         total, count = optimization.forward_loss(model, p, b, jnp.float32)
         return total / count
 
-    value, grads = jax.jit(jax.value_and_grad(loss))(params, batch)
-    value2, grads2 = jax.jit(jax.value_and_grad(loss))(params, changed)
+    value_and_grad = jax.jit(jax.value_and_grad(loss))
+    value, grads = value_and_grad(params, batch)
+    value2, grads2 = value_and_grad(params, changed)
     assert float(value) == pytest.approx(float(value2), rel=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads2), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -169,7 +166,7 @@ def test_padding_does_not_change_loss_or_gradients():
 
 def test_packed_segments_do_not_see_each_other():
     """The loss of a story is the same alone or packed after another story."""
-    model, params = _tiny_setup()
+    model, params = tiny_model(64)
     story = np.asarray([2, 11, 12, 13, 14, 15, 1], np.int32)
     alone = {"tokens": np.zeros((1, 16), np.int32), "targets": np.zeros((1, 16), np.int32),
              "segment_ids": np.zeros((1, 16), np.int32), "positions": np.zeros((1, 16), np.int32)}
@@ -198,7 +195,7 @@ def test_packed_segments_do_not_see_each_other():
 
 
 def test_evaluate_counts_every_real_target():
-    model, params = _tiny_setup()
+    model, params = tiny_model(64)
     device_mesh = mesh.make_mesh()
     eval_step = optimization.make_eval_step(model, jnp.float32, device_mesh,
                                             sharding.param_sharding(params, device_mesh))
