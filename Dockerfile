@@ -67,7 +67,10 @@ COPY notebooks/ notebooks/
 # A short offline run of the training notebook: `docker run --rm gemmalab-cpu`.
 FROM runtime AS cpu
 COPY --from=builder /opt/venv /opt/venv
-ENV JAX_PLATFORMS=cpu
+# glibc's malloc asks for transparent huge pages: XLA's CPU buffers fault in 2 MiB at a time
+# (bench/huge_pages.py).
+ENV JAX_PLATFORMS=cpu \
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 USER 1000:1000
 CMD ["papermill", "notebooks/train.ipynb", "/tmp/train.ipynb", "-p", "output_dir", "/tmp/run", \
      "-p", "max_steps", "20", "-p", "embedded_stories", "2000", "--log-output", \

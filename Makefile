@@ -12,6 +12,10 @@ export UV_PYTHON_DOWNLOADS := never
 export UV_PROJECT_ENVIRONMENT := $(VENV)
 # Keep TensorFlow (pulled in by gemma) quiet and off any accelerator it might find.
 export TF_CPP_MIN_LOG_LEVEL := 3
+# glibc's malloc asks for transparent huge pages for large blocks: XLA's CPU runtime maps a step's
+# buffers afresh each step, and faulting them in 4 KiB at a time cost the 270M's LoRA step 1.14x
+# (bench/huge_pages.py). Read as each process starts: set here for every process make starts.
+export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 DEMO_DIR ?= runs/demo
 

@@ -1,5 +1,6 @@
 """gemmalab.headless: papermill's command line, the kernel ended without its teardown."""
 
+import os
 import subprocess
 import sys
 
@@ -15,23 +16,27 @@ def test_the_kernel_ends_without_its_teardown_and_parameters_still_apply(tmp_pat
     notebook.cells = [parameters, nbformat.v4.new_code_cell(
         "import atexit, pathlib\n"
         "atexit.register(pathlib.Path(marker).write_text, 'teardown ran')\n"
-        "print('answer', answer)")]
+        "import os\n"
+        "print('answer', answer, os.environ.get('GLIBC_TUNABLES'))")]
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                        "language": "python"}
     source = tmp_path / "in.ipynb"
     nbformat.write(notebook, source)
+
+    environment = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
 
     def run(module: str, name: str) -> tuple[str, bool]:
         marker = tmp_path / f"{name}.marker"
         output = tmp_path / f"{name}.ipynb"
         subprocess.run([sys.executable, "-m", module, str(source), str(output), "-p", "marker",
                         str(marker), "-p", "answer", "42", "--no-progress-bar"], check=True,
-                       capture_output=True, cwd=tmp_path)
+                       capture_output=True, cwd=tmp_path, env=environment)
         printed = nbformat.read(output, as_version=4).cells[-1].outputs[0]["text"]
         return printed, marker.exists()
 
     # Plain papermill: the kernel shuts down gracefully, so its atexit hooks run (the teardown
     # where ipykernel's pending-task traceback comes from).
-    assert run("papermill", "graceful") == ("answer 42\n", True)
-    # The notebook's own output is all there; the kernel never ran its teardown.
-    assert run("gemmalab.headless", "immediate") == ("answer 42\n", False)
+    assert run("papermill", "graceful") == ("answer 42 None\n", True)
+    # The notebook's own output is all there; the kernel never ran its teardown. Its malloc
+    # asks for huge pages.
+    assert run("gemmalab.headless", "immediate") == ("answer 42 glibc.malloc.hugetlb=1\n", False)

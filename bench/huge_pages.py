@@ -1,0 +1,129 @@
+"""Huge pages for XLA's CPU buffers: the embedded 270M's training step with glibc's malloc asking
+the kernel for transparent huge pages (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``) and without,
+in alternating processes.
+
+    .venv/bin/python bench/huge_pages.py            # LoRA r8 and full fine-tuning, 8 x 128
+
+XLA's CPU runtime allocates a step's large buffers (logits, activations, gradients) afresh each
+step. glibc serves every allocation above 32 MiB with its own ``mmap`` and unmaps it when
+freed, so the kernel faults the next step's buffers in again, 4 KiB at a time (and zeroes each
+page). With ``hugetlb=1`` glibc marks those mappings ``MADV_HUGEPAGE``: 2 MiB pages wherever
+the kernel's transparent huge pages are enabled (``madvise`` or ``always`` in
+``/sys/kernel/mm/transparent_hugepage/enabled``). The variable is read when a process starts,
+so each setting runs in processes of its own (``--pairs`` of them, turn about).
+
+Reports per setting the median step (the median of each process's median), the minor page
+faults and system CPU seconds a step, the peak RSS, and the last loss (equal in both: the
+setting moves no number).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def child(lora_rank: int, maxlen: int, steps: int) -> None:
+    """One process: time ``steps`` training steps after a compiling one; print a JSON line."""
+    import jax
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from loss_recompute import bench_config  # bench/loss_recompute.py, beside this file
+
+    from gemmalab.train.experiment import Experiment
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = bench_config(lora_rank=lora_rank, batch_size=8, maxlen=maxlen,
+                              output_dir=output_dir)
+        experiment = Experiment.prepare(config)
+        weights = experiment.weights
+        batch = experiment.next_batch()
+        state, metrics = experiment.train_step(weights.state, batch, weights.frozen)
+        jax.block_until_ready(metrics)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        stalls = _compaction_stalls()
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            state, metrics = experiment.train_step(state, batch, weights.frozen)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - started)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        stalls = _compaction_stalls() - stalls
+    print(json.dumps({
+        "median_s": statistics.median(times), "loss": float(metrics["loss"]),
+        "faults_per_step": (after.ru_minflt - before.ru_minflt) / steps,
+        "system_s_per_step": (after.ru_stime - before.ru_stime) / steps,
+        "peak_rss_gb": after.ru_maxrss / 2**20, "compaction_stalls": stalls}))
+
+
+def _compaction_stalls() -> int:
+    """The kernel's count of allocations that waited for memory compaction (machine-wide)."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        name, value = line.split()
+        if name == "compact_stall":
+            return int(value)
+    return 0
+
+
+def run(lora_rank: int, maxlen: int, steps: int, huge: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if huge:
+        env["GLIBC_TUNABLES"] = HUGE_PAGES
+    command = [sys.executable, __file__, "--child", str(lora_rank), "--maxlens", str(maxlen),
+               "--steps", str(steps)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"])
+    parser.add_argument("--maxlens", type=int, nargs="+", default=[128])
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        return child(args.child, args.maxlens[0], args.steps)
+
+    mode = THP_MODE.read_text().strip() if THP_MODE.exists() else "unknown"
+    print(f"transparent huge pages: {mode}; {args.pairs} pairs of processes, turn about")
+    print("| training | rows | huge pages | s / step | each process's | faults / step "
+          "| system s / step | compaction stalls | peak RSS GB | loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for training in args.modes:
+        for maxlen in args.maxlens:
+            rank = 8 if training == "lora" else 0
+            results = {False: [], True: []}
+            for _ in range(args.pairs):
+                for huge in (False, True):
+                    results[huge].append(run(rank, maxlen, args.steps, huge))
+            medians = {}
+            for huge, runs in results.items():
+                medians[huge] = statistics.median(r["median_s"] for r in runs)
+                faults = statistics.median(r["faults_per_step"] for r in runs)
+                system = statistics.median(r["system_s_per_step"] for r in runs)
+                rss = max(r["peak_rss_gb"] for r in runs)
+                each = ", ".join(f"{r['median_s']:.2f}" for r in runs)
+                stalls = sum(r["compaction_stalls"] for r in runs)
+                print(f"| {training} | 8 x {maxlen} | {'on' if huge else 'off'} | "
+                      f"{medians[huge]:.3f} | {each} | {faults:,.0f} | {system:.3f} | {stalls} | "
+                      f"{rss:.1f} | {runs[-1]['loss']:.6f} |", flush=True)
+            print(f"|  |  | **{medians[False] / medians[True]:.2f}x** |" + "  |" * 7,
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
