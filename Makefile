@@ -25,7 +25,7 @@ help:
 	@echo "make demo   - set up, then fine-tune the embedded pretrained Gemma 3 270M offline (train.ipynb)"
 	@echo "make demo-tiny - the same notebook on the 1.7M-parameter tiny preset, from random init (~3 min)"
 	@echo "make test   - set up, then run the test suite"
-	@echo "make test-fast     - the inner loop (~4 min on 2 cores): the tests under ~10 s each (-m \"not slow\")"
+	@echo "make test-fast     - the inner loop (~3.5 min on 2 cores): the tests under ~10 s each (-m \"not slow\")"
 	@echo "make test-numerics - the notebook regression tests under SSE4.2/1 core and AVX2 numerics"
 	@echo "make libtpu - the TPU compiler for exact memory plans (notebooks/plan.ipynb exact=True)"
 	@echo "make interop - export the tiny preset, load it with transformers and peft, compare logits"

@@ -62,6 +62,7 @@ def _sequence_logp(model, params, tokens) -> float:
     return float(picked[-3:].sum())
 
 
+@pytest.mark.slow  # 16-35 s on 2 cores, compiling the DPO losses and steps
 def test_the_step_loss_is_dpo_of_the_two_models_sequence_logps():
     """Policy and reference differ; the step's loss and rewards are DPO's formula over each
     pair's reply log-probabilities, computed here from the models' full logits."""
@@ -97,6 +98,7 @@ def test_the_step_loss_is_dpo_of_the_two_models_sequence_logps():
         TrainConfig(objective="dpo", dpo_beta=beta, dpo_rpo_alpha=0.5), model, 4)
 
 
+@pytest.mark.slow  # 16-35 s on 2 cores, compiling the DPO losses and steps
 def test_packed_and_one_pair_per_row_give_the_same_step():
     model, policy = _tiny(seed=0)
     _, reference = _tiny(seed=1)
@@ -115,6 +117,7 @@ def test_packed_and_one_pair_per_row_give_the_same_step():
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.slow  # 16-35 s on 2 cores, compiling the DPO losses and steps
 def test_lora_reference_is_the_base_with_adapters_off():
     """Fresh adapters change nothing (B = 0): policy = reference, loss log 2, no reward; yet the
     adapters get a gradient, and the frozen base none (it is not an argument of the grad)."""
@@ -133,6 +136,7 @@ def test_lora_reference_is_the_base_with_adapters_off():
     assert sum(float(jnp.abs(g).sum()) for g in jax.tree.leaves(grads)) > 0
 
 
+@pytest.mark.slow  # 16-35 s on 2 cores, compiling the DPO losses and steps
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_train_step_accumulates_pairs_over_micro_batches_and_learns(lora_rank):
     """grad_accum_steps=2 takes the same step as one pass (the loss a mean over all pairs);
@@ -228,6 +232,7 @@ def test_full_fine_tuning_dpo_on_a_3d_mesh_with_remat_trains_like_one_device():
     assert q.addressable_shards[0].data.shape == (2, 64, 32)
 
 
+@pytest.mark.slow  # 6-25 s on 2 cores: the DPO eval step's compile (alone: 25 s)
 def test_evaluate_reports_the_pairs_means_and_the_chosen_replies_perplexity():
     model, policy = _tiny(seed=0)
     _, reference = _tiny(seed=1)
