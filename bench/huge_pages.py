@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
+from gemmalab.headless import HUGE_PAGES
+
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
