@@ -137,11 +137,12 @@ test-fast: $(STAMP)
 # timings or exact float32 copies.
 NUMERICS_COPIES := $(NBVAL_DIR)/2_train.ipynb $(NBVAL_DIR)/3_sample_compare.ipynb
 PIN_ONE_CORE := $(if $(shell command -v taskset),taskset -c 0,)
+# LLVM's optimization level 3 (XLA's default, what users run; tests/conftest.py compiles the
+# rest of the suite at 0).
+NUMERICS_XLA := --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=3
 test-numerics: $(STAMP)
-	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=SSE4_2" \
-		$(PIN_ONE_CORE) $(PYTEST) $(NUMERICS_COPIES)
-	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2" \
-		$(PYTEST) $(NUMERICS_COPIES)
+	XLA_FLAGS="$(NUMERICS_XLA) --xla_cpu_max_isa=SSE4_2" $(PIN_ONE_CORE) $(PYTEST) $(NUMERICS_COPIES)
+	XLA_FLAGS="$(NUMERICS_XLA) --xla_cpu_max_isa=AVX2" $(PYTEST) $(NUMERICS_COPIES)
 
 notebooks: $(STAMP)
 	rm -rf $(NBVAL_DIR)/nbval-cache $(NBVAL_DIR)/nbval-run $(NBVAL_DIR)/nbval-profile \

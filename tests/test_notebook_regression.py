@@ -130,8 +130,7 @@ def test_deliberate_regressions_fail_naming_the_cell_and_the_number(tmp_path):
         # (one run directory would be resumed by the second mutant, not trained again).
         (tmp_path / name).mkdir()
         nbformat.write(notebook, tmp_path / name / f"{name}.ipynb")
-    env = {**os.environ, "PYTHONPATH": str(TESTS),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}  # conftest's XLA_FLAGS: the copies' compiles
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
          "notebook_regression", "--nbval-tolerant", "--nbval-sanitize-with",

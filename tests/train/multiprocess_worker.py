@@ -1,4 +1,5 @@
-"""One process of a real multi-process JAX run on localhost (started by test_multiprocess.py).
+"""One process of a real multi-process JAX run on localhost (started by test_multiprocess.py,
+with two CPU devices a process in XLA_FLAGS).
 
 usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DATA_PATH WORK_DIR [fsdp|data]
 
@@ -9,7 +10,6 @@ build its token cache, its documents, the step counts, and its batch iterator re
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 def main() -> None:
     process_id, num_processes, port = (int(x) for x in sys.argv[1:4])
     data_path, work_dir = sys.argv[4:6]
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
