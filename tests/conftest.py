@@ -15,13 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The suite is compile-bound: of a model test's CPU time, ~70% is XLA compiling tiny programs that
-# then run for milliseconds. XLA's CPU backend optimizes each with LLVM at level 3; at level 0 the
-# compiles take ~40% less and the programs compute the same numbers within the tests'
-# tolerances. A flag already in XLA_FLAGS wins: `make test-numerics` names level 3 (what users
-# run) and other CPU kernels.
-TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8",
-                  "--xla_backend_optimization_level": "0"}
+# Flags every test process gets unless XLA_FLAGS already names them (`make test-fast` adds an
+# LLVM level there; `make test-numerics` other CPU kernels).
+TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8"}
 
 
 def xla_flags(**overrides: str) -> str:

@@ -1,6 +1,9 @@
 """CPU smoke tests of the hand-run benchmarks in bench/ (their figures are not asserted: these
 only prove they run and report what they claim)."""
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -149,3 +152,34 @@ def test_time_to_quality_sides_take_turns_of_steps_and_split_held_out_text(tmp_p
             assert validation[text] in ("train", "held_out")
     assert 0 < sum(s == "held_out" for s in validation.values()) < sum(
         s == "train" for s in validation.values())
+
+
+def test_suite_phases_records_each_tests_compile_and_its_childrens_cpu(tmp_path):
+    import suite_phases
+
+    (tmp_path / "test_sample.py").write_text(
+        "import subprocess, sys\n"
+        "import jax, jax.numpy as jnp\n"
+        "def chain(x):\n"
+        "    for _ in range(50):\n"
+        "        x = jnp.sin(x) @ x.T\n"
+        "    return x\n"
+        "def test_compiles():\n"
+        "    jax.jit(chain)(jnp.ones((64, 64))).block_until_ready()\n"
+        "def test_starts_a_process():\n"
+        "    subprocess.run([sys.executable, '-c', 'sum(range(10**7))'], check=True)\n")
+    bench = Path(suite_phases.__file__).parent
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "suite_phases",
+         "-o", "addopts=", "--rootdir", str(tmp_path), str(tmp_path / "test_sample.py")],
+        env={**{k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"},
+             "PYTHONPATH": str(bench), "SUITE_PHASES_DIR": str(tmp_path / "phases")},
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = (tmp_path / "phases" / "main.jsonl").read_text().splitlines()
+    compiled, started = (json.loads(line) for line in lines)
+    assert compiled["test"].endswith("::test_compiles") and compiled["compile"] > 0
+    assert compiled["trace"] > 0 and compiled["cpu_children"] == 0
+    assert started["compile"] == 0 and started["cpu_children"] > 0.05
+    text = suite_phases.report(tmp_path / "phases")
+    assert "all 2 tests" in text and "::test_compiles" in text
