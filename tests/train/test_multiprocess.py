@@ -15,12 +15,14 @@ from gemmalab.train import params
 from gemmalab.weights import orbax_params
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
+# The suite's flags, two CPU devices a process.
+WORKER_XLA_FLAGS = xla_flags(xla_force_host_platform_device_count="2")
 
 
 @pytest.mark.slow
 def test_two_processes_share_one_global_batch(tmp_path, stories_file):
     port = free_port()
-    env = {**os.environ, "XLA_FLAGS": xla_flags(xla_force_host_platform_device_count="2")}
+    env = {**os.environ, "XLA_FLAGS": WORKER_XLA_FLAGS}
     workers = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port),
                                  str(stories_file), str(tmp_path)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -70,7 +72,7 @@ def test_fsdp_spanning_two_processes_matches_one_process(tmp_path):
     from test_sharding import _train
 
     port = free_port()
-    env = {**os.environ, "XLA_FLAGS": xla_flags(xla_force_host_platform_device_count="2")}
+    env = {**os.environ, "XLA_FLAGS": WORKER_XLA_FLAGS}
     workers = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port), "-",
                                  str(tmp_path), "fsdp"], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
@@ -104,7 +106,7 @@ def test_two_processes_read_their_own_parquet_row_groups(tmp_path, stories_file)
         pq.write_table(pa.table({"text": stories[a:b]}), tmp_path / f"train-{i}.parquet",
                        row_group_size=10)
     port = free_port()
-    env = {**os.environ, "XLA_FLAGS": xla_flags(xla_force_host_platform_device_count="2")}
+    env = {**os.environ, "XLA_FLAGS": WORKER_XLA_FLAGS}
     workers = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port),
                                  str(tmp_path / "train-*.parquet"), str(tmp_path), "data"],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
