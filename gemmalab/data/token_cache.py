@@ -17,6 +17,8 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -218,17 +220,28 @@ def _tokenize_in_order(labelled: Iterator[tuple[str, Any]], model_proto: bytes, 
         for labels, stories in tasks:
             yield from zip(labels, encode(stories), strict=True)
         return
-    # spawn, not fork: the parent may hold JAX's threads.
-    with multiprocessing.get_context("spawn").Pool(workers, init_encoder, (model_proto,)) as pool:
+    # spawn, not fork: the parent may hold JAX's threads. concurrent.futures, not
+    # multiprocessing.Pool: a worker that dies (killed for memory) breaks the pool and every
+    # pending result raises, where Pool would wait for that result forever.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=init_encoder,
+                             initargs=(model_proto,)) as pool:
         in_flight: collections.deque = collections.deque()
-        for labels, stories in tasks:
-            in_flight.append((labels, pool.apply_async(encode, (stories,))))
-            if len(in_flight) >= 4 * workers:  # backpressure: never read ahead of the workers
+        try:
+            for labels, stories in tasks:
+                in_flight.append((labels, pool.submit(encode, stories)))
+                if len(in_flight) >= 4 * workers:  # backpressure: never read ahead of the workers
+                    done_labels, result = in_flight.popleft()
+                    yield from zip(done_labels, result.result(), strict=True)
+            while in_flight:
                 done_labels, result = in_flight.popleft()
-                yield from zip(done_labels, result.get(), strict=True)
-        while in_flight:
-            done_labels, result = in_flight.popleft()
-            yield from zip(done_labels, result.get(), strict=True)
+                yield from zip(done_labels, result.result(), strict=True)
+        except BrokenProcessPool:
+            raise ConfigError("tokenize_workers", "a tokenizing worker process died (out of "
+                              "memory?)", "give the run more memory, or set tokenize_workers=1 "
+                              "to tokenize in the main process") from None
+        finally:  # a consumer that stops early (or an error) leaves no task running
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _batched(labelled: Iterator[tuple[str, Any]], size: int

@@ -142,6 +142,17 @@ def test_token_cache_holds_bos_story_eos_and_is_reused(stories_file, local_token
     np.testing.assert_array_equal(again.train.tokens, cache.train.tokens)
 
 
+def test_a_tokenizing_worker_that_dies_is_a_one_line_error_not_a_hang(local_tokenizer):
+    """A worker killed mid-task (the kernel's OOM killer) fails the build at once, naming the
+    setting that avoids workers; multiprocessing.Pool waited for its result forever."""
+    from dying_encoder import die
+
+    stories = iter([("train", "Once upon a time.")] * 10)
+    with pytest.raises(ConfigError, match=r"^tokenize_workers: a tokenizing worker process "
+                                          r"died .* Fix: .*tokenize_workers=1"):
+        list(token_cache._tokenize_in_order(stories, local_tokenizer.model_proto, 2, die))
+
+
 def test_datacount_above_the_corpus_warns_and_uses_all(stories_file, local_tokenizer, tmp_path):
     corpus = documents.Corpus(str(stories_file), "fp", embedded=False)
     with pytest.warns(UserWarning, match="datacount=10000 but .* has only 400 stories"):
