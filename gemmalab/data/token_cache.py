@@ -223,25 +223,24 @@ def _tokenize_in_order(labelled: Iterator[tuple[str, Any]], model_proto: bytes, 
     # spawn, not fork: the parent may hold JAX's threads. concurrent.futures, not
     # multiprocessing.Pool: a worker that dies (killed for memory) breaks the pool and every
     # pending result raises, where Pool would wait for that result forever.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=init_encoder,
-                             initargs=(model_proto,)) as pool:
-        in_flight: collections.deque = collections.deque()
-        try:
-            for labels, stories in tasks:
-                in_flight.append((labels, pool.submit(encode, stories)))
-                if len(in_flight) >= 4 * workers:  # backpressure: never read ahead of the workers
-                    done_labels, result = in_flight.popleft()
-                    yield from zip(done_labels, result.result(), strict=True)
-            while in_flight:
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=init_encoder, initargs=(model_proto,))
+    in_flight: collections.deque = collections.deque()
+    try:
+        for labels, stories in tasks:
+            in_flight.append((labels, pool.submit(encode, stories)))
+            if len(in_flight) >= 4 * workers:  # backpressure: never read ahead of the workers
                 done_labels, result = in_flight.popleft()
                 yield from zip(done_labels, result.result(), strict=True)
-        except BrokenProcessPool:
-            raise ConfigError("tokenize_workers", "a tokenizing worker process died (out of "
-                              "memory?)", "give the run more memory, or set tokenize_workers=1 "
-                              "to tokenize in the main process") from None
-        finally:  # a consumer that stops early (or an error) leaves no task running
-            pool.shutdown(wait=True, cancel_futures=True)
+        while in_flight:
+            done_labels, result = in_flight.popleft()
+            yield from zip(done_labels, result.result(), strict=True)
+    except BrokenProcessPool:
+        raise ConfigError("tokenize_workers", "a tokenizing worker process died (out of memory?)",
+                          "give the run more memory, or set tokenize_workers=1 to tokenize in "
+                          "the main process") from None
+    finally:  # a consumer that stops early (or an error) leaves no task running
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _batched(labelled: Iterator[tuple[str, Any]], size: int

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_optimization import two_layer_tiny
+from test_optimization import short_tiny
 
 from gemmalab import plan
 from gemmalab.config import TrainConfig
@@ -30,7 +30,7 @@ FUSED = ("dot_product", "splash")
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = dataclasses.replace(two_layer_tiny(600), sliding_window_size=WINDOW)
+    config = dataclasses.replace(short_tiny(600), sliding_window_size=WINDOW)
     assert WINDOW < LENGTH and len(set(config.attention_types)) == 2  # local and global layers
     params = presets.init_params(presets.build_model(config, param_dtype=jnp.float32), seed=0,
                                  sample_length=8)

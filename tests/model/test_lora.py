@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import PROMPT
-from test_optimization import two_layer_tiny
+from test_optimization import short_tiny
 from test_resume import _losses, crashed_run
 
 from gemmalab.config import TrainConfig
@@ -24,7 +24,7 @@ RANK = 4
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = two_layer_tiny(600)
+    config = short_tiny(600)
     base_model = presets.build_model(config, param_dtype=jnp.float32)
     base = presets.init_params(base_model, seed=0, sample_length=8)
     return config, base_model, base

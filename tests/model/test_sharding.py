@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_optimization import _batch, two_layer_tiny
+from test_optimization import _batch, short_tiny
 
 from gemmalab.config import PRESET_NAMES, resolve_mesh_shape
 from gemmalab.errors import ConfigError
@@ -33,7 +33,7 @@ def test_an_unknown_weight_is_an_error():
 
 def _train(shape, devices, steps=20, compute_dtype=jnp.float32, num_slices=1,
            grad_accum_steps=1, remat="none", lora_rank=0):
-    config = two_layer_tiny(VOCAB)
+    config = short_tiny(VOCAB)
     model = presets.build_model(config, param_dtype=jnp.float32, remat=remat)
     params = presets.init_params(model, seed=0, sample_length=16)
     device_mesh = mesh.make_mesh(shape, devices, num_slices=num_slices)
@@ -170,7 +170,7 @@ def test_gradient_accumulation_gives_the_same_updates_with_less_activation_memor
     losses, _ = _train({"data": 2, "fsdp": 4}, jax.devices(), grad_accum_steps=2)
     np.testing.assert_allclose(losses, one_device[0], rtol=PARITY_RTOL[jnp.float32])
 
-    model = presets.build_model(two_layer_tiny(VOCAB), param_dtype=jnp.float32)
+    model = presets.build_model(short_tiny(VOCAB), param_dtype=jnp.float32)
     params = presets.init_params(model, seed=0, sample_length=16)
     device_mesh = mesh.make_mesh({"data": 2, "fsdp": 4})
     schedule = optax.constant_schedule(1e-3)

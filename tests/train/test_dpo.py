@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_optimization import tiny_model, two_layer_tiny
+from test_optimization import short_tiny, tiny_model
 
 from gemmalab.config import TrainConfig
 from gemmalab.model import lora, mesh, presets, sharding
@@ -194,7 +194,7 @@ def test_full_fine_tuning_dpo_on_a_3d_mesh_with_remat_trains_like_one_device():
     pairs = [_pair_tokens(rng) for _ in range(16)]
 
     def train(shape, devices, remat):
-        model = presets.build_model(two_layer_tiny(VOCAB), param_dtype=jnp.float32,
+        model = presets.build_model(short_tiny(VOCAB), param_dtype=jnp.float32,
                                     remat=remat)
         device_mesh = mesh.make_mesh(shape, devices)
         held_shardings = sharding.param_sharding(base, device_mesh)

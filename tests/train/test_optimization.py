@@ -84,16 +84,16 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert float(schedule(5)) == pytest.approx(5e-4)
 
 
-def two_layer_tiny(vocab: int):
-    """The tiny preset cut to its last two layers, a sliding-window one and the global one:
-    every kind of weight and both kinds of attention, and a third of the six layers' unrolled
-    program for XLA to compile (what these tests spend their time on)."""
+def short_tiny(vocab: int, num_layers: int = 2):
+    """The tiny preset cut to its last ``num_layers`` layers; two: a sliding-window one and the
+    global one, every kind of weight and both kinds of attention, and a third of the six
+    layers' unrolled program for XLA to compile (what these tests spend their time on)."""
     config = presets.model_config("gemma3-tiny", vocab)
-    return dataclasses.replace(config, attention_types=config.attention_types[-2:])
+    return dataclasses.replace(config, attention_types=config.attention_types[-num_layers:])
 
 
 def tiny_model(vocab: int, seed: int = 0):
-    """``two_layer_tiny`` at ``vocab`` and float32 random params drawn from ``seed``: one model
+    """``short_tiny`` at ``vocab`` and float32 random params drawn from ``seed``: one model
     object a vocabulary (so functions jitted over it compile once) and params built once a
     process (also train/test_dpo.py's). A train step donates its state: tests hand steps copies
     (``jax.tree.map(np.asarray, params)``)."""
@@ -102,7 +102,7 @@ def tiny_model(vocab: int, seed: int = 0):
 
 @functools.cache
 def _tiny_preset(vocab: int):
-    model = presets.build_model(two_layer_tiny(vocab), param_dtype=jnp.float32)
+    model = presets.build_model(short_tiny(vocab), param_dtype=jnp.float32)
     # Jitted: flax's init run op by op compiles each op on its own (~10 s here).
     init = jax.jit(lambda key: model.init(key, jnp.zeros((1, 8), jnp.int32))["params"])
     return model, init

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
+from test_optimization import short_tiny
 
 from gemmalab import plan
 from gemmalab.errors import ConfigError
-from gemmalab.model import presets
 from gemmalab.weights import gguf, hf_layout, safetensors_io, sources
 
 Q = GGMLQuantizationType
@@ -30,9 +30,7 @@ COLS = 512
 def tiny_config(num_layers: int = 1):
     """gemma3-tiny's shapes with ``num_layers`` layers and head_dim 16, so that no projection
     is square (a transposed q/k/v/o cannot pass for the right one)."""
-    config = presets.model_config("gemma3-tiny", VOCAB)
-    return dataclasses.replace(config, head_dim=16,
-                               attention_types=config.attention_types[-num_layers:])
+    return dataclasses.replace(short_tiny(VOCAB, num_layers), head_dim=16)
 
 
 def shape_metadata(config) -> dict[str, int]:
