@@ -7,7 +7,8 @@ Each test (setup, call and teardown together) records its wall time, the CPU sec
 process and of the processes it started and waited for (papermill kernels, libtpu compiles,
 multi-process runs), and the seconds JAX reports for its phases in that process
 (``jax.monitoring``): XLA's backend compile, tracing, lowering to MLIR, and compiles saved by
-the persistent cache. One JSON line a test, a file per pytest-xdist worker, in
+the persistent cache, and XLA's compile seconds by the name of the function compiled
+(``compiled``). One JSON line a test, a file per pytest-xdist worker, in
 ``$SUITE_PHASES_DIR`` (default ``runs/suite-phases``; a run appends: remove it to start over).
 """
 
@@ -30,7 +31,14 @@ SAVED = "/jax/compilation_cache/compile_time_saved_sec"
 PHASES = {"compile": COMPILE, "trace": TRACE, "lower": LOWER, "cache_saved": SAVED}
 
 _seconds: collections.Counter = collections.Counter()
+_compiled: collections.Counter = collections.Counter()
 _listening = False
+
+
+def _record(event: str, duration: float, fun_name: str | None = None, **_) -> None:
+    _seconds[event] += duration
+    if event == COMPILE and fun_name:
+        _compiled[fun_name] += duration
 
 
 def _listen() -> None:
@@ -38,8 +46,7 @@ def _listen() -> None:
     if not _listening:
         import jax.monitoring
 
-        jax.monitoring.register_event_duration_secs_listener(
-            lambda event, duration, **_: _seconds.update({event: duration}))
+        jax.monitoring.register_event_duration_secs_listener(_record)
         _listening = True
 
 
@@ -53,6 +60,7 @@ def _cpu_seconds() -> tuple[float, float]:
 def pytest_runtest_protocol(item, nextitem):
     _listen()
     before = dict(_seconds)
+    compiled_before = dict(_compiled)
     own, children = _cpu_seconds()
     started = time.perf_counter()
     yield
@@ -62,6 +70,9 @@ def pytest_runtest_protocol(item, nextitem):
               "cpu_children": round(children_after - children, 2)}
     record.update({name: round(_seconds[event] - before.get(event, 0.0), 4)
                    for name, event in PHASES.items()})
+    record["compiled"] = {name: round(seconds - compiled_before.get(name, 0.0), 3)
+                          for name, seconds in _compiled.items()
+                          if seconds - compiled_before.get(name, 0.0) >= 0.05}
     path = Path(DIRECTORY) / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
@@ -82,6 +93,16 @@ def report(directory: str | os.PathLike = DIRECTORY, top: int = 25) -> str:
     totals = {name: sum(r[name] for r in records) for name in columns}
     lines.append("  ".join(f"{totals[name]:12.1f}" for name in columns)
                  + f"  all {len(records)} tests")
+    by_function: collections.Counter = collections.Counter()
+    compiles: collections.Counter = collections.Counter()
+    for record in records:
+        for name, seconds in record.get("compiled", {}).items():
+            by_function[name] += seconds
+            compiles[name] += 1
+    if by_function:
+        lines += ["", "XLA compile seconds by function (tests that compiled it)"]
+        lines += [f"{seconds:12.1f}  {compiles[name]:5d}  {name}"
+                  for name, seconds in by_function.most_common(top)]
     return "\n".join(lines)
 
 

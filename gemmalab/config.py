@@ -116,6 +116,11 @@ class TrainConfig:
     # Gemma 3's); "local" without a checkpoint.
     tokenizer: str | None = None
     tokenizer_vocab_size: int = 2048  # Only for tokenizer="local".
+    # None: the preset's depth. N: only the preset's last N layers (the tail of its attention
+    # pattern: for gemma3-tiny and gemma3-270m, 2 keeps a sliding-window layer and the global
+    # one): the same layers' shapes, compiled and stepped in a fraction of the time, for smoke
+    # runs and tests. Random init only; a gemmalab run's params bring their run's.
+    num_layers: int | None = None
 
     # Data.
     # "" = the embedded story corpus; EMBEDDED_INSTRUCTIONS = the embedded instruction set; else
@@ -205,6 +210,15 @@ class TrainConfig:
             object.__setattr__(self, "model", _model_of_checkpoint(self.checkpoint))
         if self.tokenizer is None:
             object.__setattr__(self, "tokenizer", _tokenizer_of_checkpoint(self.checkpoint))
+        run = _run_params_of(self.checkpoint)
+        if self.num_layers is None and run is not None:  # a cut run's params: that run's depth
+            object.__setattr__(self, "num_layers", run.get("num_layers"))
+        require(self.num_layers is None or self.num_layers >= 1, "num_layers",
+                f"{self.num_layers} < 1", "use None (the preset's depth) or a positive count")
+        require(self.num_layers is None or not self.checkpoint
+                or (run is not None and run.get("num_layers") == self.num_layers), "num_layers",
+                f"a cut model ({self.num_layers} layers) cannot load {self.checkpoint!r}, which "
+                "holds every layer of its model", "leave num_layers None to load a checkpoint")
         require(not (self.tokenizer == "local" and _is_pretrained(self.checkpoint)), "tokenizer",
                 "a tokenizer trained on the corpus cannot read a pretrained checkpoint's "
                 "embeddings", "leave tokenizer unset (None: the checkpoint's own) or use 'gemma3'")

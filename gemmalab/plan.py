@@ -469,7 +469,7 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
                           f"micro-batches (mesh {sizes})",
                           f"use a multiple of {data_ways * config.grad_accum_steps}")
     vocab = vocab_size_hint(config)
-    model_config = presets.model_config(config.model, vocab)
+    model_config = presets.model_config(config.model, vocab, config.num_layers)
     params = abstract_params(model_config, config.param_dtype)
     p_size = np.dtype(config.param_dtype).itemsize
     c_size = np.dtype(jax.numpy.dtype(config.compute_dtype)).itemsize

@@ -38,6 +38,7 @@ def test_the_batch_defaults_to_the_models():
         ("tokenizer_vocab_size", 100),
         ("output_dir", ""),
         ("tokenizer", ""),
+        ("num_layers", 0),
     ],
 )
 def test_bad_values_name_the_parameter(field, value):
@@ -114,6 +115,23 @@ def test_a_runs_params_name_the_model_that_run_trained(tmp_path):
                                                              "tokenizer": "gemma3"}}))
     config = TrainConfig(checkpoint=str(run / "params"))
     assert config.model == "gemma3-270m" and config.tokenizer == "gemma3"
+
+
+def test_a_cut_model_trains_from_random_init_or_from_its_own_runs_params(tmp_path):
+    """num_layers cuts the preset: no pretrained checkpoint holds such a model, a cut run's
+    params do (and bring their depth along, as they bring their model)."""
+    import json
+
+    with pytest.raises(ConfigError, match="^num_layers: a cut model .*Fix: leave num_layers None"):
+        TrainConfig(checkpoint="embedded:gemma3-270m", num_layers=2)
+    run = tmp_path / "cut"
+    (run / "params").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"params": {"model": "gemma3-tiny",
+                                                             "num_layers": 2}}))
+    assert TrainConfig(checkpoint=str(run / "params")).num_layers == 2
+    assert TrainConfig(checkpoint=str(run / "params"), num_layers=2).num_layers == 2
+    with pytest.raises(ConfigError, match="^num_layers: "):
+        TrainConfig(checkpoint=str(run / "params"), num_layers=3)
 
 
 @pytest.mark.parametrize("output_dir", ["runs/[exp1]", "runs/lr-*", "runs/a?b"])

@@ -19,7 +19,8 @@ def test_train_notebook_runs_offline_end_to_end(tmp_path, cache_dir):
         parameters=dict(model="gemma3-tiny", checkpoint="", lora_rank=0, learning_rate=None,
                         batch_size=8, maxlen=64, max_steps=6, eval_every=3, embedded_stories=300,
                         tokenizer_vocab_size=600, max_new_tokens=8, output_dir=str(output_dir),
-                        cache_dir=str(cache_dir), warmup_ratio=0.25),  # a field not in the cell
+                        cache_dir=str(cache_dir), warmup_ratio=0.25,  # fields not in the cell
+                        num_layers=2),
         kernel_name="python3", progress_bar=False, cwd=str(tmp_path),
     )
     summary = json.loads((output_dir / "summary.json").read_text())
@@ -44,7 +45,8 @@ def test_train_notebook_runs_dpo_and_plots_its_rewards(tmp_path, cache_dir):
     output_dir = tmp_path / "dpo"
     papermill.execute_notebook(
         str(NOTEBOOKS / "train.ipynb"), str(tmp_path / "dpo.out.ipynb"),
-        parameters=dict(model="gemma3-tiny", checkpoint="", lora_rank=0, objective="dpo",
+        parameters=dict(model="gemma3-tiny", checkpoint="", lora_rank=0, num_layers=2,
+                        objective="dpo",
                         batch_size=8, maxlen=512, max_steps=4, eval_every=2, embedded_stories=60,
                         eval_fraction=0.1, tokenizer_vocab_size=2048, max_new_tokens=8,
                         output_dir=str(output_dir), cache_dir=str(cache_dir)),
@@ -128,7 +130,8 @@ def test_plan_notebook_compiles_for_a_tpu_topology(tmp_path):
     papermill.execute_notebook(
         str(NOTEBOOKS / "plan.ipynb"), str(tmp_path / "plan.out.ipynb"),
         parameters=dict(model="gemma3-tiny", tokenizer_vocab_size=600, accelerator="v6e:2x2",
-                        batch_size=8, maxlen=128, exact=True, output_dir=str(tmp_path / "plan")),
+                        batch_size=8, maxlen=128, exact=True, output_dir=str(tmp_path / "plan"),
+                        num_layers=2),
         kernel_name="python3", progress_bar=False, cwd=str(tmp_path))
     document = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert document["method"] == "compiled" and document["fits"] is True

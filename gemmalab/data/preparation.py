@@ -38,6 +38,7 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     A second call with the same data parameters (e.g. data_prep.ipynb then train.ipynb) reuses
     the cached tokenizer and tokens.
     """
+    presets.check_num_layers(config.model, config.num_layers)  # before the tokenizer's work
     cache_dir = config.resolved_cache_dir
     corpus = documents.resolve_corpus(config.data_path, cache_dir=cache_dir,
                                       embedded_stories=config.embedded_stories, seed=config.seed,
@@ -46,7 +47,7 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     rule = SplitRule(config.eval_fraction, config.max_eval_stories,
                      jax.process_index(), jax.process_count())
     tokenizer, info = _load_tokenizer_everywhere(config, corpus, rule)
-    model_config = presets.model_config(config.model, info.vocab_size)
+    model_config = presets.model_config(config.model, info.vocab_size, config.num_layers)
     if info.vocab_size > model_config.num_embed:
         raise ConfigError("tokenizer", f"its vocabulary ({info.vocab_size}) is larger than "
                           f"{config.model}'s embedding ({model_config.num_embed})",

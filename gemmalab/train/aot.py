@@ -46,7 +46,7 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
     start = time.perf_counter()
     topology = topologies.get_topology_desc(platform="tpu", topology_name=accelerator.topology)
     device_mesh = mesh.make_mesh(config.mesh, topology.devices, num_slices=config.num_slices)
-    model_config = presets.model_config(config.model, vocab_size_hint(config))
+    model_config = presets.model_config(config.model, vocab_size_hint(config), config.num_layers)
     model = presets.build_model(model_config, param_dtype=jnp.dtype(config.param_dtype),
                                 remat=config.remat, attention=config.attention, mesh=device_mesh)
     base_model = model

@@ -288,7 +288,7 @@ def test_training_on_the_embedded_instruction_set(tmp_path, cache_dir):
     config = TrainConfig(data_path=EMBEDDED_INSTRUCTIONS, embedded_stories=100,
                          cache_dir=str(cache_dir), output_dir=str(tmp_path / "run"), batch_size=8,
                          maxlen=64, max_steps=8, eval_every=0, tokenizer_vocab_size=600,
-                         tokenize_workers=1, compute_dtype="float32", seed=5)
+                         tokenize_workers=1, compute_dtype="float32", seed=5, num_layers=2)
     experiment = Experiment.prepare(config)
     stats = experiment.data_stats
     assert stats["data_format"] == documents.CHAT and stats["embedded_corpus"]

@@ -12,7 +12,8 @@ def run(tmp_path_factory, cache_dir, stories_file):
     output_dir = tmp_path_factory.mktemp("compare") / "run"
     config = TrainConfig(data_path=str(stories_file), cache_dir=str(cache_dir),
                          output_dir=str(output_dir), batch_size=8, maxlen=64, max_steps=8,
-                         eval_every=0, tokenizer_vocab_size=600, tokenize_workers=1, seed=4)
+                         eval_every=0, tokenizer_vocab_size=600, tokenize_workers=1, seed=4,
+                         num_layers=2)
     experiment = Experiment.prepare(config)
     summary = experiment.train(progress=False)
     experiment.save()

@@ -182,7 +182,8 @@ def test_a_real_tiny_sweep_here_then_its_table_and_its_runs_side_by_side(tmp_pat
     from gemmalab.inspect import compare
     from gemmalab.inspect.sweep import summary_table
 
-    fixed = dict(model="gemma3-tiny", checkpoint="", lora_rank=0, batch_size=8, maxlen=64,
+    fixed = dict(model="gemma3-tiny", checkpoint="", lora_rank=0, num_layers=2, batch_size=8,
+                 maxlen=64,
                  max_steps=3, eval_every=0, embedded_stories=300, tokenizer_vocab_size=600,
                  max_new_tokens=4, cache_dir=str(cache_dir))
     points = sweep.local_sweep("tiny", fixed, sweep.sweep_values({"learning_rate": [1e-3, 3e-3]}),

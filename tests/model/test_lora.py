@@ -102,7 +102,7 @@ def _config(tmp_path, cache_dir, stories_file, name, **overrides):
                   output_dir=str(tmp_path / name), batch_size=8, maxlen=64, max_steps=10,
                   eval_every=5, checkpoint_every=4, tokenizer_vocab_size=600,
                   tokenize_workers=1, seed=5, compute_dtype="float32", lora_rank=RANK,
-                  lora_alpha=8.0, learning_rate=1e-2)
+                  lora_alpha=8.0, learning_rate=1e-2, num_layers=2)
     return TrainConfig(**{**values, **overrides})
 
 

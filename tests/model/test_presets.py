@@ -32,6 +32,24 @@ def test_real_presets_are_gemma_classes_text_only(name):
     assert config == dataclasses.replace(original, vision_encoder=None)
 
 
+def test_num_layers_keeps_the_tail_of_the_attention_pattern():
+    from gemma.gm.nn._modules import AttentionType
+
+    from gemmalab.errors import ConfigError
+
+    full = presets.model_config("gemma3-270m", 262_144)
+    cut = presets.model_config("gemma3-270m", 262_144, num_layers=2)
+    assert cut.attention_types == (AttentionType.LOCAL_SLIDING, AttentionType.GLOBAL)
+    assert cut.num_layers == 2
+    assert cut == dataclasses.replace(full, attention_types=full.attention_types[-2:])
+    assert presets.model_config("gemma3-tiny", 600, num_layers=6) == presets.model_config(
+        "gemma3-tiny", 600)
+    for depth in (0, 7):
+        with pytest.raises(ConfigError, match=f"^num_layers: {depth} is not among gemma3-tiny's "
+                                              "6 layers. Fix: use 1 to 6"):
+            presets.model_config("gemma3-tiny", 600, num_layers=depth)
+
+
 def test_model_config_round_trips_through_json():
     for name in ("gemma3-tiny", "gemma3-270m", "gemma3-4b"):
         config = presets.model_config(name, 4096)

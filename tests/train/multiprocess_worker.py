@@ -39,7 +39,7 @@ def main() -> None:
         data_path=data_path, cache_dir=f"{work_dir}/cache{process_id}",  # one cache per "host"
         output_dir=f"{work_dir}/run", batch_size=8, maxlen=64, max_steps=6, eval_every=3,
         tokenizer_vocab_size=600, tokenize_workers=1, seed=5, mesh={"fsdp": -1},
-        checkpoint_every=3)
+        checkpoint_every=3, num_layers=2)
     experiment = Experiment.prepare(config)
     summary = experiment.train(progress=False)
     resumed_losses, resumed_from = crash_and_resume(config, f"{work_dir}/crashed")

@@ -275,7 +275,7 @@ def test_a_killed_dpo_run_resumes_exactly_with_its_reference_read_again(tmp_path
                            cache_dir=str(cache_dir), output_dir=str(tmp_path / name),
                            batch_size=8, maxlen=512, max_steps=7, eval_every=0,
                            checkpoint_every=3, tokenize_workers=1, seed=2,
-                           compute_dtype="float32", learning_rate=1e-3)
+                           compute_dtype="float32", learning_rate=1e-3, num_layers=2)
 
     whole = Experiment.prepare(config("whole"))
     start = jax.tree.map(np.asarray, whole.weights.state.params)

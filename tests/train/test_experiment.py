@@ -25,7 +25,8 @@ def small_config(tmp_path, cache_dir, stories_file, **overrides) -> TrainConfig:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, cache_dir, stories_file):
     tmp_path = tmp_path_factory.mktemp("experiment")
-    experiment = Experiment.prepare(small_config(tmp_path, cache_dir, stories_file))
+    # The tiny preset's last two layers: what these tests check holds at any depth.
+    experiment = Experiment.prepare(small_config(tmp_path, cache_dir, stories_file, num_layers=2))
     before = experiment.sample(PROMPT, max_new_tokens=8)
     summary = experiment.train(progress=False)
     saved = experiment.save()
@@ -215,7 +216,8 @@ def test_gcs_paths_without_credentials(tmp_path, cache_dir, stories_file, monkey
 def test_tokenizer_larger_than_the_embedding(tmp_path, cache_dir, stories_file, monkeypatch,
                                              nothing_expensive):
     real = presets.model_config
-    monkeypatch.setattr(presets, "model_config", lambda name, vocab: real(name, 256))
+    monkeypatch.setattr(presets, "model_config",
+                        lambda name, vocab, num_layers=None: real(name, 256, num_layers))
     _expect("tokenizer", "vocabulary (600) is larger than gemma3-tiny's embedding (256)",
             small_config(tmp_path, cache_dir, stories_file))
 

@@ -1,4 +1,3 @@
-import dataclasses
 import functools
 import math
 
@@ -87,9 +86,9 @@ def test_schedule_warms_up_then_decays_to_the_floor():
 def short_tiny(vocab: int, num_layers: int = 2):
     """The tiny preset cut to its last ``num_layers`` layers; two: a sliding-window one and the
     global one, every kind of weight and both kinds of attention, and a third of the six
-    layers' unrolled program for XLA to compile (what these tests spend their time on)."""
-    config = presets.model_config("gemma3-tiny", vocab)
-    return dataclasses.replace(config, attention_types=config.attention_types[-num_layers:])
+    layers' unrolled program for XLA to compile (what these tests spend their time on); what
+    ``TrainConfig.num_layers`` builds."""
+    return presets.model_config("gemma3-tiny", vocab, num_layers)
 
 
 def tiny_model(vocab: int, seed: int = 0):

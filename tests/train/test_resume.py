@@ -29,7 +29,7 @@ def _config(tmp_path, cache_dir, stories_file, name, **overrides):
     values = dict(data_path=str(stories_file), cache_dir=str(cache_dir),
                   output_dir=str(tmp_path / name), batch_size=8, maxlen=64, max_steps=12,
                   eval_every=6, checkpoint_every=4, tokenizer_vocab_size=600,
-                  tokenize_workers=1, seed=5, compute_dtype="float32")
+                  tokenize_workers=1, seed=5, compute_dtype="float32", num_layers=2)
     return TrainConfig(**{**values, **overrides})
 
 
