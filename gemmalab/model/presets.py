@@ -76,19 +76,7 @@ def model_config(preset_name: str, vocab_size: int, num_layers: int | None = Non
                  ) -> gm.nn.config.TransformerConfig:
     """The resolved gemma ``TransformerConfig`` (text-only) for a preset; with ``num_layers``,
     only its last ``num_layers`` layers (``TrainConfig.num_layers``)."""
-    gm = gemma_lib.gm()
-    from gemma.gm.nn import _config
-    from gemma.gm.nn._gemma import GEMMA3_ATTENTION_PATTERN
-
-    preset = PRESETS[preset_name]
-    base = getattr(gm.nn, preset.gemma_class).config
-    if preset_name == "gemma3-tiny":
-        config = dataclasses.replace(
-            base, num_embed=vocab_size, **TINY_OVERRIDES,
-            attention_types=_config.make_attention_layers_types(
-                GEMMA3_ATTENTION_PATTERN, num_layers=TINY_NUM_LAYERS))
-    else:
-        config = dataclasses.replace(base, vision_encoder=None)
+    config = _whole_config(preset_name, vocab_size)
     if num_layers is None:
         return config
     check_num_layers(preset_name, num_layers)
@@ -100,11 +88,24 @@ def check_num_layers(preset_name: str, num_layers: int | None) -> None:
     """Refuse a ``TrainConfig.num_layers`` deeper than the preset (before any data work)."""
     if num_layers is None:
         return
-    depth = (TINY_NUM_LAYERS if preset_name == "gemma3-tiny"
-             else getattr(gemma_lib.gm().nn, PRESETS[preset_name].gemma_class).config.num_layers)
+    depth = _whole_config(preset_name, 0).num_layers
     if not 1 <= num_layers <= depth:
         raise ConfigError("num_layers", f"{num_layers} is not among {preset_name}'s {depth} "
                           "layers", f"use 1 to {depth}, or None for all of them")
+
+
+def _whole_config(preset_name: str, vocab_size: int) -> gm.nn.config.TransformerConfig:
+    gm = gemma_lib.gm()
+    from gemma.gm.nn import _config
+    from gemma.gm.nn._gemma import GEMMA3_ATTENTION_PATTERN
+
+    base = getattr(gm.nn, PRESETS[preset_name].gemma_class).config
+    if preset_name == "gemma3-tiny":
+        return dataclasses.replace(
+            base, num_embed=vocab_size, **TINY_OVERRIDES,
+            attention_types=_config.make_attention_layers_types(
+                GEMMA3_ATTENTION_PATTERN, num_layers=TINY_NUM_LAYERS))
+    return dataclasses.replace(base, vision_encoder=None)
 
 
 def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
