@@ -80,6 +80,36 @@ def test_embedding_gradient_bench_times_the_same_gradient_in_both_forms():
     np.testing.assert_allclose(now, before, rtol=1e-2, atol=float(jnp.abs(now).max()) / 128)
 
 
+@pytest.mark.parametrize("max_logits", [1 << 20, 3 * 50 * 2])
+def test_logits_widening_bench_times_the_same_gradient_both_ways(max_logits):
+    """bench/logits_widening.py's "before" (one float32 widening shared with the log-sum-exp)
+    gives the same gradients as the loss now, in one chunk and chunked, through a soft cap."""
+    import logits_widening
+    from loss_recompute import loss_part_replaced
+
+    from gemmalab.model import cross_entropy
+
+    rng = np.random.default_rng(3)
+    hidden = jnp.asarray(rng.normal(size=(2, 10, 8)), jnp.bfloat16)
+    embedding = jnp.asarray(rng.normal(size=(50, 8)), jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(0, 50, (2, 10)))
+    mask = jnp.asarray(rng.random((2, 10)) > 0.3)
+
+    def gradients():
+        def loss(h, e):
+            return cross_entropy.chunked_cross_entropy(h, e, targets, mask, softcap=5.0,
+                                                       max_logits=max_logits)[0]
+        return [g.astype(jnp.float32) for g in jax.jit(jax.grad(loss, (0, 1)))(hidden,
+                                                                                 embedding)]
+
+    now = gradients()
+    with loss_part_replaced("_logit_gradient", logits_widening.shared_widening):
+        before = gradients()
+    for a, b in zip(now, before, strict=True):
+        assert float(jnp.abs(a).max()) > 0
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=float(jnp.abs(a).max()) / 128)
+
+
 def test_cpu_dot_forms_compute_the_same_products_in_each_form():
     """The embedding gradient's three forms are one matrix (one of them transposed), and so are
     the square products and the input gradients in their two spellings: equal work timed."""
@@ -102,6 +132,9 @@ def test_cpu_dot_forms_compute_the_same_products_in_each_form():
         np.testing.assert_allclose(
             run(f"its input gradient as autodiff emits it (dy.w^T, {contracted} contracted)"),
             run(f"the same written dy @ w.T ({contracted} contracted)"), rtol=2e-2, atol=1e-1)
+    loss_form = run("logits einsum td,vd->tv")
+    np.testing.assert_allclose(run("logits x.E^T with E^T stored"), loss_form, rtol=1e-5)
+    np.testing.assert_allclose(run("logits vocabulary-major").T, loss_form, rtol=1e-5)
     fn, operands = table["logits x.E^T"]
     seconds, gflops = cpu_dot_forms.rate(fn, *operands, flops=2.0 * 16 * 96 * 8, repeats=1)
     assert seconds > 0 and gflops == pytest.approx(2.0 * 16 * 96 * 8 / seconds / 1e9)
