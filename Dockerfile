@@ -67,10 +67,13 @@ COPY notebooks/ notebooks/
 # A short offline run of the training notebook: `docker run --rm gemmalab-cpu`.
 FROM runtime AS cpu
 COPY --from=builder /opt/venv /opt/venv
-# glibc's malloc asks for transparent huge pages: XLA's CPU buffers fault in 2 MiB at a time
-# (bench/huge_pages.py).
+# Training on the CPU runs on mimalloc, which keeps XLA's freed step buffers for the next step
+# (gemmalab.allocator, bench/allocator.py: what `python -m gemmalab.allocator` prints here).
 ENV JAX_PLATFORMS=cpu \
-    GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 \
+    LD_PRELOAD=/opt/venv/lib/python3.12/site-packages/cmeel.prefix/lib/libmimalloc.so.3 \
+    MIMALLOC_PURGE_DELAY=-1 \
+    MIMALLOC_ALLOW_LARGE_OS_PAGES=1
 USER 1000:1000
 CMD ["papermill", "notebooks/train.ipynb", "/tmp/train.ipynb", "-p", "output_dir", "/tmp/run", \
      "-p", "max_steps", "20", "-p", "embedded_stories", "2000", "--log-output", \

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gemmalab.headless import HUGE_PAGES
+from gemmalab.allocator import HUGE_PAGES
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

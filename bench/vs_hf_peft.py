@@ -17,6 +17,9 @@ and LoRA config, each loop in its own process, rounds alternating.
   without bf16 units, where torch's bf16 matmuls are far slower), SDPA attention, AdamW, as
   many torch threads as cores; each batch of windows padded to its longest (what
   ``DataCollatorForLanguageModeling`` does), padding not in the loss.
+- Each side's malloc: gemmalab's processes run on mimalloc, as its training processes do
+  (``gemmalab.allocator``); torch on glibc's malloc with huge pages, its usual, or on mimalloc
+  too with ``--peft-malloc mimalloc``.
 - LoRA: rank 8, alpha 16, on all seven projections (q, k, v, o, gate, up, down); ``full``
   trains every weight.
 
@@ -203,7 +206,8 @@ def child(args: argparse.Namespace, side: str, mode: str, maxlen: int) -> dict:
                    "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                    "--site-packages", str(args.site_packages), "--peft-dtype", args.peft_dtype,
                    "--peft-micro-batches", str(micro_batches)]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        done = subprocess.run(command, capture_output=True, text=True, check=False,
+                              env=side_environment(side, args.peft_malloc))
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is not None:
             return json.loads(line[len("RESULT "):])
@@ -215,6 +219,19 @@ def child(args: argparse.Namespace, side: str, mode: str, maxlen: int) -> dict:
             continue
         raise SystemExit(f"{side} {mode} {maxlen} failed (exit {done.returncode}):\n"
                          f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
+
+
+def side_environment(side: str, peft_malloc: str) -> dict[str, str]:
+    """A side's process environment: gemmalab's as its training processes get it (mimalloc
+    preloaded, ``gemmalab.allocator``); torch's glibc malloc with huge pages (its usual), or
+    mimalloc too with ``--peft-malloc mimalloc``."""
+    from gemmalab import allocator
+
+    plain = {k: v for k, v in os.environ.items()
+             if k not in ("LD_PRELOAD", allocator.OPT_OUT) and not k.startswith("MIMALLOC_")}
+    if side == "peft" and peft_malloc == "system":
+        plain[allocator.OPT_OUT] = "system"
+    return {**plain, **allocator.environment(plain)}
 
 
 def resolved(args: argparse.Namespace) -> argparse.Namespace:
@@ -243,6 +260,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--peft-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="torch's weights and compute (float32 on CPUs without bf16 units)")
+    parser.add_argument("--peft-malloc", default="system", choices=["system", "mimalloc"],
+                        help="torch's malloc: glibc's (its usual) or gemmalab's mimalloc")
     parser.add_argument("--peft-micro-batches", type=int, default=1, help=argparse.SUPPRESS)
     args = resolved(parser.parse_args())
     if args.one:
@@ -273,7 +292,7 @@ def main() -> None:
                 print(json.dumps(results[-1]), flush=True)
     (args.out / "vs_hf_peft.json").write_text(json.dumps(results, indent=1))
     print(f"\nbatch {args.batch_size}, {args.steps} timed steps a run, {os.cpu_count()} cores, "
-          f"torch in {args.peft_dtype}")
+          f"torch in {args.peft_dtype}, torch's malloc: {args.peft_malloc}")
     print("| training | maxlen | round | loop | s / step | tokens/s | useful tokens/s | "
           "useful share | peak RSS GB | useful ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")

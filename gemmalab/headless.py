@@ -12,12 +12,11 @@ for it; nbclient's ``shutdown_kernel`` passes through ``execute_notebook``.
 Multi-host pods keep the graceful shutdown (``gemmalab.k8s.run_notebook``): there the kernel's
 exit runs ``jax.distributed``'s shutdown barrier, which other hosts may still be waiting on.
 
-The kernel starts with glibc's malloc asking for transparent huge pages (``HUGE_PAGES``, unless
-``GLIBC_TUNABLES`` is set already): XLA's CPU runtime maps a step's large buffers afresh each
-step, and the kernel faulting them in 4 KiB pages took 1.8 of the ~7.9 CPU-seconds of the
-270M's LoRA step on 2 cores (0.7 with huge pages; the step 1.14x faster, ``bench/huge_pages.py``).
-glibc reads the variable only as a process starts: it is set here, for the kernel, and in the
-Makefile.
+The kernel runs on mimalloc (``gemmalab.allocator``: XLA's CPU runtime maps a step's large
+buffers afresh each step under glibc's malloc, and the kernel's page zeroing took 2.3-4.9
+CPU-seconds of the 270M's step on 2 cores), or, without it, glibc's malloc with huge pages.
+A preloaded allocator is read only as a process starts: the variables are set here, for the
+kernel; ones already set win.
 """
 
 from __future__ import annotations
@@ -26,14 +25,14 @@ import functools
 import os
 import sys
 
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
+from gemmalab import allocator
 
 
 def main(argv: list[str] | None = None) -> None:
     from papermill import cli
     from papermill.execute import execute_notebook
 
-    os.environ.setdefault("GLIBC_TUNABLES", HUGE_PAGES)  # inherited by the kernel
+    os.environ.update(allocator.environment())  # inherited by the kernel
     cli.execute_notebook = functools.partial(execute_notebook, shutdown_kernel="immediate")
     cli.papermill.main(args=sys.argv[1:] if argv is None else argv, prog_name="gemmalab.headless")
 

@@ -7,6 +7,8 @@ import sys
 import nbformat
 import pytest
 
+from gemmalab import allocator
+
 
 @pytest.mark.slow
 def test_the_kernel_ends_without_its_teardown_and_parameters_still_apply(tmp_path):
@@ -17,13 +19,15 @@ def test_the_kernel_ends_without_its_teardown_and_parameters_still_apply(tmp_pat
         "import atexit, pathlib\n"
         "atexit.register(pathlib.Path(marker).write_text, 'teardown ran')\n"
         "import os\n"
-        "print('answer', answer, os.environ.get('GLIBC_TUNABLES'))")]
+        "mapped = 'libmimalloc' in open('/proc/self/maps').read()\n"
+        "print('answer', answer, os.environ.get('GLIBC_TUNABLES'), mapped)")]
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                        "language": "python"}
     source = tmp_path / "in.ipynb"
     nbformat.write(notebook, source)
 
-    environment = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", allocator.OPT_OUT)}
 
     def run(module: str, name: str) -> tuple[str, bool]:
         marker = tmp_path / f"{name}.marker"
@@ -36,7 +40,9 @@ def test_the_kernel_ends_without_its_teardown_and_parameters_still_apply(tmp_pat
 
     # Plain papermill: the kernel shuts down gracefully, so its atexit hooks run (the teardown
     # where ipykernel's pending-task traceback comes from).
-    assert run("papermill", "graceful") == ("answer 42 None\n", True)
-    # The notebook's own output is all there; the kernel never ran its teardown. Its malloc
-    # asks for huge pages.
-    assert run("gemmalab.headless", "immediate") == ("answer 42 glibc.malloc.hugetlb=1\n", False)
+    assert run("papermill", "graceful") == ("answer 42 None False\n", True)
+    # The notebook's own output is all there; the kernel never ran its teardown. It allocates
+    # with mimalloc (Linux, where the wheel is installed), else glibc's malloc with huge pages.
+    on_mimalloc = allocator.library_path() is not None
+    assert run("gemmalab.headless", "immediate") == (
+        f"answer 42 glibc.malloc.hugetlb=1 {on_mimalloc}\n", False)
