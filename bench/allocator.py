@@ -18,17 +18,13 @@ moves no number).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
-from pathlib import Path
 
 from gemmalab import allocator
 
-HUGE_PAGES_BENCH = Path(__file__).with_name("huge_pages.py")  # its --child times the steps
+sys.path.insert(0, os.path.dirname(__file__))
+import huge_pages  # noqa: E402  (bench/huge_pages.py: its child times the steps)
 
 
 def settings() -> dict[str, dict[str, str]]:
@@ -43,44 +39,10 @@ def settings() -> dict[str, dict[str, str]]:
     return {"glibc, huge pages": glibc, "mimalloc": {**glibc, **allocator.environment(glibc)}}
 
 
-def run(environment: dict[str, str], lora_rank: int, maxlen: int, steps: int) -> dict:
-    command = [sys.executable, str(HUGE_PAGES_BENCH), "--child", str(lora_rank), "--maxlens",
-               str(maxlen), "--steps", str(steps)]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"])
-    parser.add_argument("--maxlens", type=int, nargs="+", default=[128])
-    parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args()
-    environments = settings()
+    args = huge_pages.arguments(__doc__.splitlines()[0])
     print(f"{args.pairs} pairs of processes, turn about; {args.steps} timed steps each")
-    print("| training | rows | malloc | s / step | each process's | faults / step "
-          "| system s / step | peak RSS GB | loss |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for training in args.modes:
-        for maxlen in args.maxlens:
-            rank = 8 if training == "lora" else 0
-            results: dict[str, list[dict]] = {name: [] for name in environments}
-            for _ in range(args.pairs):
-                for name, environment in environments.items():
-                    results[name].append(run(environment, rank, maxlen, args.steps))
-            medians = {}
-            for name, runs in results.items():
-                medians[name] = statistics.median(r["median_s"] for r in runs)
-                faults = statistics.median(r["faults_per_step"] for r in runs)
-                system = statistics.median(r["system_s_per_step"] for r in runs)
-                rss = max(r["peak_rss_gb"] for r in runs)
-                each = ", ".join(f"{r['median_s']:.2f}" for r in runs)
-                print(f"| {training} | 8 x {maxlen} | {name} | {medians[name]:.3f} | {each} | "
-                      f"{faults:,.0f} | {system:.3f} | {rss:.1f} | {runs[-1]['loss']:.6f} |",
-                      flush=True)
-            before, after = medians.values()
-            print(f"|  |  | **{before / after:.2f}x** |" + "  |" * 6, flush=True)
+    huge_pages.compare(settings(), "malloc", args)
 
 
 if __name__ == "__main__":

@@ -78,52 +78,62 @@ def _compaction_stalls() -> int:
     return 0
 
 
-def run(lora_rank: int, maxlen: int, steps: int, huge: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    if huge:
-        env["GLIBC_TUNABLES"] = HUGE_PAGES
+def run(environment: dict[str, str], lora_rank: int, maxlen: int, steps: int) -> dict:
+    """One child process under ``environment``: its JSON line."""
     command = [sys.executable, __file__, "--child", str(lora_rank), "--maxlens", str(maxlen),
                "--steps", str(steps)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"])
-    parser.add_argument("--maxlens", type=int, nargs="+", default=[128])
-    parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child is not None:
-        return child(args.child, args.maxlens[0], args.steps)
-
-    mode = THP_MODE.read_text().strip() if THP_MODE.exists() else "unknown"
-    print(f"transparent huge pages: {mode}; {args.pairs} pairs of processes, turn about")
-    print("| training | rows | huge pages | s / step | each process's | faults / step "
+def compare(environments: dict[str, dict[str, str]], column: str, args: argparse.Namespace
+            ) -> None:
+    """Each of ``args.modes`` x ``args.maxlens`` in ``args.pairs`` rounds of one process per
+    setting, turn about: a table row per setting and the first's median over the last's.
+    Also bench/allocator.py's."""
+    print(f"| training | rows | {column} | s / step | each process's | faults / step "
           "| system s / step | compaction stalls | peak RSS GB | loss |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for training in args.modes:
         for maxlen in args.maxlens:
             rank = 8 if training == "lora" else 0
-            results = {False: [], True: []}
+            results: dict[str, list[dict]] = {name: [] for name in environments}
             for _ in range(args.pairs):
-                for huge in (False, True):
-                    results[huge].append(run(rank, maxlen, args.steps, huge))
+                for name, environment in environments.items():
+                    results[name].append(run(environment, rank, maxlen, args.steps))
             medians = {}
-            for huge, runs in results.items():
-                medians[huge] = statistics.median(r["median_s"] for r in runs)
+            for name, runs in results.items():
+                medians[name] = statistics.median(r["median_s"] for r in runs)
                 faults = statistics.median(r["faults_per_step"] for r in runs)
                 system = statistics.median(r["system_s_per_step"] for r in runs)
                 rss = max(r["peak_rss_gb"] for r in runs)
                 each = ", ".join(f"{r['median_s']:.2f}" for r in runs)
                 stalls = sum(r["compaction_stalls"] for r in runs)
-                print(f"| {training} | 8 x {maxlen} | {'on' if huge else 'off'} | "
-                      f"{medians[huge]:.3f} | {each} | {faults:,.0f} | {system:.3f} | {stalls} | "
-                      f"{rss:.1f} | {runs[-1]['loss']:.6f} |", flush=True)
-            print(f"|  |  | **{medians[False] / medians[True]:.2f}x** |" + "  |" * 7,
-                  flush=True)
+                print(f"| {training} | 8 x {maxlen} | {name} | {medians[name]:.3f} | {each} | "
+                      f"{faults:,.0f} | {system:.3f} | {stalls} | {rss:.1f} | "
+                      f"{runs[-1]['loss']:.6f} |", flush=True)
+            first, *_, last = medians.values()
+            print(f"|  |  | **{first / last:.2f}x** |" + "  |" * 7, flush=True)
+
+
+def arguments(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"])
+    parser.add_argument("--maxlens", type=int, nargs="+", default=[128])
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0])
+    if args.child is not None:
+        return child(args.child, args.maxlens[0], args.steps)
+    mode = THP_MODE.read_text().strip() if THP_MODE.exists() else "unknown"
+    print(f"transparent huge pages: {mode}; {args.pairs} pairs of processes, turn about")
+    off = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    compare({"off": off, "on": {**off, "GLIBC_TUNABLES": HUGE_PAGES}}, "huge pages", args)
 
 
 if __name__ == "__main__":

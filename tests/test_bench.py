@@ -216,3 +216,30 @@ def test_suite_phases_records_each_tests_compile_and_its_childrens_cpu(tmp_path)
     assert started["compile"] == 0 and started["cpu_children"] > 0.05
     text = suite_phases.report(tmp_path / "phases")
     assert "all 2 tests" in text and "::test_compiles" in text
+
+
+def test_allocator_bench_runs_each_setting_turn_about_and_reports_the_ratio(monkeypatch, capsys):
+    """bench/allocator.py (through huge_pages.compare): one process per setting and pair, in
+    turn, each under its own environment; the ratio is glibc's median over mimalloc's."""
+    import allocator
+    import huge_pages
+
+    from gemmalab import allocator as gemmalab_allocator
+
+    if gemmalab_allocator.library_path() is None:
+        pytest.skip("mimalloc is installed on Linux only")
+    calls = []
+
+    def fake_run(environment, lora_rank, maxlen, steps):
+        on_mimalloc = "mimalloc" in environment.get("LD_PRELOAD", "")
+        calls.append((on_mimalloc, lora_rank, maxlen, steps))
+        return {"median_s": 3.0 if on_mimalloc else 6.0, "faults_per_step": 0.0,
+                "system_s_per_step": 0.0, "peak_rss_gb": 1.0, "loss": 1.5,
+                "compaction_stalls": 0}
+
+    monkeypatch.setattr(huge_pages, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["allocator.py", "--modes", "lora", "--pairs", "2",
+                                      "--steps", "3"])
+    allocator.main()
+    assert calls == [(False, 8, 128, 3), (True, 8, 128, 3)] * 2
+    assert "**2.00x**" in capsys.readouterr().out
