@@ -16,7 +16,7 @@ export TF_CPP_MIN_LOG_LEVEL := 3
 # buffers afresh each step, and faulting them in 4 KiB at a time cost the 270M's LoRA step 1.14x
 # (bench/huge_pages.py). Read as each process starts: set here for every process make starts.
 # Training runs (`make demo`: gemmalab.headless) go further: their kernel runs on mimalloc, which
-# keeps freed buffers for the next step (gemmalab.allocator, 1.3-1.5x the 270M's step); the
+# keeps freed buffers for the next step (gemmalab.allocator: the 270M's LoRA step 1.37x); the
 # tests stay on glibc, which hands freed memory back at once.
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 

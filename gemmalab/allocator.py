@@ -8,10 +8,11 @@ full fine-tuning at 8 x 128, transparent huge pages on), with ~5,000 page faults
 freed memory for reuse instead, never handing it back (``MIMALLOC_PURGE_DELAY=-1``: with a delay
 of 10 s, blocks waiting out their delay were passed over for fresh ones, and the step still
 faulted 2,500 pages a step, with more peak RSS than never handing back), and asks for 2 MiB pages:
-the same step then has no page faults, ~0.02 s of kernel time, and runs 1.3-1.5x faster, for
-0.6-0.8 GB more peak RSS (``bench/allocator.py``). The numbers computed are the same: only where
-buffers live changes. The price: a process keeps the most memory it ever used until it exits
-(a training kernel reuses it every step; an idle one holds it).
+the LoRA step then has almost no page faults and ~0.02-0.4 s of kernel time, and runs 1.37x
+faster, full fine-tuning 1.11x (it still faults ~1,750 pages a step), for 0.6-1.6 GB more peak
+RSS (``bench/allocator.py``, the 270M at 8 x 128 on 2 cores). The numbers computed are the
+same: only where buffers live changes. The price: a process keeps the most memory it ever used
+until it exits (a training kernel reuses it every step; an idle one holds it).
 
 A preloaded allocator must be in place as a process starts, so it is set in the environment of
 the processes that train: ``gemmalab.headless``'s notebook kernel (``make demo``), the kernels of
