@@ -30,10 +30,7 @@ import huge_pages  # noqa: E402  (bench/huge_pages.py: its child times the steps
 def settings() -> dict[str, dict[str, str]]:
     """Each setting's environment: glibc's malloc with huge pages (what the tests run on), and
     ``gemmalab.allocator``'s (what training processes run on)."""
-    plain = {k: v for k, v in os.environ.items()
-             if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", allocator.OPT_OUT)
-             and not k.startswith("MIMALLOC_")}
-    glibc = {**plain, "GLIBC_TUNABLES": allocator.HUGE_PAGES}
+    glibc = {**allocator.without_allocator(os.environ), "GLIBC_TUNABLES": allocator.HUGE_PAGES}
     if allocator.library_path() is None:
         raise SystemExit("mimalloc is not installed here (Linux, `make env`)")
     return {"glibc, huge pages": glibc, "mimalloc": {**glibc, **allocator.environment(glibc)}}

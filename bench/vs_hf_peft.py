@@ -227,8 +227,7 @@ def side_environment(side: str, peft_malloc: str) -> dict[str, str]:
     mimalloc too with ``--peft-malloc mimalloc``."""
     from gemmalab import allocator
 
-    plain = {k: v for k, v in os.environ.items()
-             if k not in ("LD_PRELOAD", allocator.OPT_OUT) and not k.startswith("MIMALLOC_")}
+    plain = allocator.without_allocator(os.environ)
     if side == "peft" and peft_malloc == "system":
         plain[allocator.OPT_OUT] = "system"
     return {**plain, **allocator.environment(plain)}

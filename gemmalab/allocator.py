@@ -70,6 +70,13 @@ def environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return added
 
 
+def without_allocator(base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` less every variable this module sets or reads (``GLIBC_TUNABLES`` kept): the
+    starting point of a process whose malloc a caller chooses itself (the benches)."""
+    return {name: value for name, value in base.items()
+            if name not in ("LD_PRELOAD", OPT_OUT) and not name.startswith("MIMALLOC_")}
+
+
 def main() -> None:
     for name, value in environment().items():
         print(f"{name}={value}")

@@ -30,6 +30,13 @@ def test_environment_preloads_mimalloc_with_its_options_and_keeps_what_is_set():
         "GLIBC_TUNABLES": allocator.HUGE_PAGES, **allocator.OPTIONS}
 
 
+def test_without_allocator_drops_what_it_sets_and_keeps_the_rest():
+    mine = {"LD_PRELOAD": "/x.so", "MIMALLOC_PURGE_DELAY": "0", allocator.OPT_OUT: "system",
+            "GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/home/me"}
+    assert allocator.without_allocator(mine) == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2",
+                                                 "HOME": "/home/me"}
+
+
 def test_opting_out_leaves_glibc_with_huge_pages():
     assert allocator.environment({allocator.OPT_OUT: "system"}) == {
         "GLIBC_TUNABLES": allocator.HUGE_PAGES}
