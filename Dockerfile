@@ -67,14 +67,12 @@ COPY notebooks/ notebooks/
 # A short offline run of the training notebook: `docker run --rm gemmalab-cpu`.
 FROM runtime AS cpu
 COPY --from=builder /opt/venv /opt/venv
-# Training on the CPU runs on mimalloc, which keeps XLA's freed step buffers for the next step
-# (gemmalab.allocator, bench/allocator.py: what `python -m gemmalab.allocator` prints here).
-ENV JAX_PLATFORMS=cpu \
-    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 \
-    LD_PRELOAD=/opt/venv/lib/python3.12/site-packages/cmeel.prefix/lib/libmimalloc.so.3 \
-    MIMALLOC_PURGE_DELAY=-1 \
-    MIMALLOC_ALLOW_LARGE_OS_PAGES=1
+ENV JAX_PLATFORMS=cpu
 USER 1000:1000
+# The command runs on the malloc gemmalab.allocator chooses for the host the container is on
+# (mimalloc in VMs that hand freed pages to their hypervisor, else glibc's with huge pages;
+# GEMMALAB_MALLOC overrides): a preload is read only as a process starts, so it is set here.
+ENTRYPOINT ["python", "-m", "gemmalab.allocator"]
 CMD ["papermill", "notebooks/train.ipynb", "/tmp/train.ipynb", "-p", "output_dir", "/tmp/run", \
      "-p", "max_steps", "20", "-p", "embedded_stories", "2000", "--log-output", \
      "--no-progress-bar"]

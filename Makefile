@@ -13,11 +13,10 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # Keep TensorFlow (pulled in by gemma) quiet and off any accelerator it might find.
 export TF_CPP_MIN_LOG_LEVEL := 3
 # glibc's malloc asks for transparent huge pages for large blocks: XLA's CPU runtime maps a step's
-# buffers afresh each step, and faulting them in 4 KiB at a time cost the 270M's LoRA step 1.14x
-# (bench/huge_pages.py). Read as each process starts: set here for every process make starts.
-# Training runs (`make demo`: gemmalab.headless) go further: their kernel runs on mimalloc, which
-# keeps freed buffers for the next step (gemmalab.allocator: the 270M's LoRA step 1.37x); the
-# tests stay on glibc, which hands freed memory back at once.
+# buffers afresh each step (bench/huge_pages.py). Read as each process starts: set here for every
+# process make starts. Training runs (`make demo`: gemmalab.headless) may go further: in VMs that
+# hand freed pages to their hypervisor their kernel runs on mimalloc, which keeps freed buffers
+# for the next step (gemmalab.allocator); the tests stay on glibc, which hands memory back.
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 DEMO_DIR ?= runs/demo

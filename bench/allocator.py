@@ -28,17 +28,20 @@ import huge_pages  # noqa: E402  (bench/huge_pages.py: its child times the steps
 
 
 def settings() -> dict[str, dict[str, str]]:
-    """Each setting's environment: glibc's malloc with huge pages (what the tests run on), and
-    ``gemmalab.allocator``'s (what training processes run on)."""
+    """Each setting's environment: glibc's malloc with huge pages (what the tests, and training
+    on ordinary hosts, run on), and mimalloc as ``gemmalab.allocator`` sets it (what training
+    runs on in VMs that hand freed pages to their hypervisor)."""
     glibc = {**allocator.without_allocator(os.environ), "GLIBC_TUNABLES": allocator.HUGE_PAGES}
     if allocator.library_path() is None:
         raise SystemExit("mimalloc is not installed here (Linux, `make env`)")
-    return {"glibc, huge pages": glibc, "mimalloc": {**glibc, **allocator.environment(glibc)}}
+    mimalloc = allocator.environment({**glibc, allocator.CHOICE: "mimalloc"})
+    return {"glibc, huge pages": glibc, "mimalloc": {**glibc, **mimalloc}}
 
 
 def main() -> None:
     args = huge_pages.arguments(__doc__.splitlines()[0])
-    print(f"{args.pairs} pairs of processes, turn about; {args.steps} timed steps each")
+    print(f"{args.pairs} pairs of processes, turn about; {args.steps} timed steps each; "
+          f"freed pages go to a hypervisor: {allocator.hypervisor_takes_freed_pages()}")
     huge_pages.compare(settings(), "malloc", args)
 
 

@@ -17,9 +17,11 @@ and LoRA config, each loop in its own process, rounds alternating.
   without bf16 units, where torch's bf16 matmuls are far slower), SDPA attention, AdamW, as
   many torch threads as cores; each batch of windows padded to its longest (what
   ``DataCollatorForLanguageModeling`` does), padding not in the loss.
-- Each side's malloc: gemmalab's processes run on mimalloc, as its training processes do
-  (``gemmalab.allocator``); torch on glibc's malloc with huge pages, its usual, or on mimalloc
-  too with ``--peft-malloc mimalloc``.
+- Each side's malloc: gemmalab's processes run on what its training processes get here
+  (``gemmalab.allocator``: mimalloc on VMs that hand freed pages to their hypervisor, else glibc
+  with huge pages; ``GEMMALAB_MALLOC`` set for this bench chooses); torch on glibc's malloc with
+  huge pages, its usual, or on mimalloc with ``--peft-malloc mimalloc``. The host's page
+  reporting is printed: on such VMs a process's fresh memory costs seconds a GiB.
 - LoRA: rank 8, alpha 16, on all seven projections (q, k, v, o, gate, up, down); ``full``
   trains every weight.
 
@@ -222,14 +224,16 @@ def child(args: argparse.Namespace, side: str, mode: str, maxlen: int) -> dict:
 
 
 def side_environment(side: str, peft_malloc: str) -> dict[str, str]:
-    """A side's process environment: gemmalab's as its training processes get it (mimalloc
-    preloaded, ``gemmalab.allocator``); torch's glibc malloc with huge pages (its usual), or
-    mimalloc too with ``--peft-malloc mimalloc``."""
+    """A side's process environment: gemmalab's as its training processes get it
+    (``gemmalab.allocator``, ``GEMMALAB_MALLOC`` as set for the bench); torch's glibc malloc with
+    huge pages (its usual), or mimalloc with ``--peft-malloc mimalloc``."""
     from gemmalab import allocator
 
     plain = allocator.without_allocator(os.environ)
-    if side == "peft" and peft_malloc == "system":
-        plain[allocator.OPT_OUT] = "system"
+    if side == "gemmalab" and allocator.CHOICE in os.environ:
+        plain[allocator.CHOICE] = os.environ[allocator.CHOICE]
+    if side == "peft":
+        plain[allocator.CHOICE] = peft_malloc
     return {**plain, **allocator.environment(plain)}
 
 
@@ -290,8 +294,13 @@ def main() -> None:
                     for key, value in values.items()}, "useful_ratio": ratio})
                 print(json.dumps(results[-1]), flush=True)
     (args.out / "vs_hf_peft.json").write_text(json.dumps(results, indent=1))
+    from gemmalab import allocator
+
+    ours = side_environment("gemmalab", args.peft_malloc).get("LD_PRELOAD", "")
     print(f"\nbatch {args.batch_size}, {args.steps} timed steps a run, {os.cpu_count()} cores, "
-          f"torch in {args.peft_dtype}, torch's malloc: {args.peft_malloc}")
+          f"torch in {args.peft_dtype}, torch's malloc: {args.peft_malloc}, gemmalab's: "
+          f"{'mimalloc' if 'mimalloc' in ours else 'system'}; freed pages go to a hypervisor: "
+          f"{allocator.hypervisor_takes_freed_pages()}")
     print("| training | maxlen | round | loop | s / step | tokens/s | useful tokens/s | "
           "useful share | peak RSS GB | useful ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -12,9 +12,8 @@ for it; nbclient's ``shutdown_kernel`` passes through ``execute_notebook``.
 Multi-host pods keep the graceful shutdown (``gemmalab.k8s.run_notebook``): there the kernel's
 exit runs ``jax.distributed``'s shutdown barrier, which other hosts may still be waiting on.
 
-The kernel runs on mimalloc (``gemmalab.allocator``: XLA's CPU runtime maps a step's large
-buffers afresh each step under glibc's malloc, and the kernel's page zeroing took 2.3-4.9
-CPU-seconds of the 270M's step on 2 cores), or, without it, glibc's malloc with huge pages.
+The kernel's malloc is ``gemmalab.allocator``'s choice for this host (mimalloc in VMs that hand
+freed pages to their hypervisor, else glibc's with huge pages; ``GEMMALAB_MALLOC`` overrides).
 A preloaded allocator is read only as a process starts: the variables are set here, for the
 kernel; ones already set win.
 """
@@ -26,13 +25,17 @@ import os
 import sys
 
 from gemmalab import allocator
+from gemmalab.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> None:
     from papermill import cli
     from papermill.execute import execute_notebook
 
-    os.environ.update(allocator.environment())  # inherited by the kernel
+    try:
+        os.environ.update(allocator.environment())  # inherited by the kernel
+    except ConfigError as error:
+        raise SystemExit(str(error)) from None
     cli.execute_notebook = functools.partial(execute_notebook, shutdown_kernel="immediate")
     cli.papermill.main(args=sys.argv[1:] if argv is None else argv, prog_name="gemmalab.headless")
 
