@@ -51,8 +51,8 @@ CHOICES = ("auto", "mimalloc", "system")
 MAX_PAGE_ORDER = 10
 VIRTIO_BALLOON = 5  # the virtio device id of a memory balloon
 BALLOON_FREE_PAGE_REPORTING = 5  # its feature bit VIRTIO_BALLOON_F_REPORTING
-# glibc's malloc without mimalloc: huge pages for its large blocks (1.14x the 270M's LoRA step,
-# bench/huge_pages.py).
+# glibc's malloc without mimalloc: huge pages for its large blocks (1.24x the 270M's LoRA step on
+# a host that keeps its memory, bench/huge_pages.py).
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 
