@@ -47,10 +47,12 @@ def test_gguf_import_bench_reports_phases_and_rates(tmp_path):
     assert not list((tmp_path / "work").glob("cache-*"))
 
 
-def test_embedding_gradient_bench_times_the_same_gradient_in_both_forms():
-    """bench/embedding_gradient.py's "before" (token-major logits, float32 operands) and the
-    loss's vocabulary-major form give the embedding the same gradient, chunked, with LoRA's
-    trained token rows, per segment and through a soft cap."""
+@pytest.mark.parametrize("form", ["forward", "layout"])
+def test_embedding_gradient_bench_times_the_same_gradient_in_both_forms(form):
+    """bench/embedding_gradient.py's "before" and the loss's form now give the embedding the
+    same gradient, chunked, with LoRA's trained token rows and through a soft cap: formed in the
+    forward pass against recomputed (the batch's summed loss), and the recompute's
+    vocabulary-major logits against token-major ones in float32 (per segment)."""
     import embedding_gradient
 
     from gemmalab.model import cross_entropy
@@ -62,21 +64,25 @@ def test_embedding_gradient_bench_times_the_same_gradient_in_both_forms():
     targets = jnp.asarray(rng.integers(0, 50, (2, 10)))
     mask = jnp.asarray(rng.random((2, 10)) > 0.3)
     segments = jnp.asarray(np.repeat([[1, 1, 1, 2, 2, 3, 3, 3, 3, 0]], 2, 0))
+    options = dict(softcap=5.0, max_logits=3 * 50 * 2, row_updates=(jnp.asarray([3, 7]), update))
 
     def gradient():
         def loss(e):
-            sums, _ = cross_entropy.chunked_segment_nll(
-                hidden, e, targets, mask, segments, num_segments=3, softcap=5.0,
-                max_logits=3 * 50 * 2, row_updates=(jnp.asarray([3, 7]), update))
+            if form == "forward":
+                return cross_entropy.chunked_cross_entropy(hidden, e, targets, mask,
+                                                           **options)[0] / 7.0
+            sums, _ = cross_entropy.chunked_segment_nll(hidden, e, targets, mask, segments,
+                                                        num_segments=3, **options)
             return jnp.sum(sums * jnp.asarray([1.0, -2.0, 0.5]))
         return jax.jit(jax.grad(loss))(embedding).astype(jnp.float32)
 
     now = gradient()
-    with embedding_gradient.token_major():
+    with (embedding_gradient.recomputed() if form == "forward"
+          else embedding_gradient.token_major()):
         before = gradient()
     assert float(jnp.abs(now).max()) > 0
-    # bf16 gradients (equal here; other CPUs may round elsewhere): within two bf16 steps of
-    # the largest element.
+    # bf16 gradients (other CPUs may round elsewhere): within two bf16 steps of the largest
+    # element.
     np.testing.assert_allclose(now, before, rtol=1e-2, atol=float(jnp.abs(now).max()) / 128)
 
 

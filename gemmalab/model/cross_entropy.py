@@ -17,6 +17,10 @@ from gemmalab.model.mesh import BATCH_AXES
 # Largest logits block the loss materialises (elements): 1 GiB in fp32.
 LOSS_CHUNK_LOGITS = 1 << 28
 LOSS_SCOPE = "cross_entropy"  # jax.named_scope of the loss's ops (their HLO op_name)
+# Full fine-tuning's embedding gradient formed in the chunked loss's forward pass where it can be
+# (``_fused_forward``): one [tokens, V] product a chunk fewer than recomputing the logits
+# (bench/embedding_gradient.py --form forward flips it to compare).
+EMBEDDING_GRADIENT_IN_FORWARD = True
 
 
 @jax.custom_vjp
@@ -158,9 +162,11 @@ def _chunked_nll(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, ma
 # kept; the backward pass scales it by each position's cotangent. Autodiff through checkpointed
 # chunks instead computed every chunk's logits twice (forward, then recomputed in backward): a
 # third more of the loss's FLOPs, which are half a small Gemma's step. The embedding's gradient
-# (full fine-tuning) depends on those cotangents, so it alone recomputes the logits, in the
-# backward pass; LoRA's frozen head never needs it (``symbolic_zeros`` says which inputs are
-# differentiated).
+# (full fine-tuning) is summed over positions: where one cotangent scales them all (the batch's
+# summed loss) it too is formed in the forward pass and scaled in the backward; per-segment
+# cotangents (DPO's sequence sums) weigh positions apart, so there it recomputes the logits in
+# the backward pass. LoRA's frozen head never needs it (``symbolic_zeros`` says which inputs
+# are differentiated).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _fused_chunks(hidden: jax.Array, embedding: jax.Array, update: jax.Array | None,
                   fields: tuple[jax.Array, ...], ids: jax.Array | None, softcap: float | None,
@@ -261,9 +267,13 @@ def _fused_forward(hidden: Any, embedding: Any, update: Any, fields: Any, ids: A
 
     wants_update = update is not None and update.perturbed
     wants_embedding = embedding.perturbed
+    # One cotangent for every position (no segments): the embedding's gradient is that times
+    # the sum formed here; per segment it is recomputed in the backward pass.
+    embedding_now = wants_embedding and not num_segments and EMBEDDING_GRADIENT_IN_FORWARD
+    recompute = wants_embedding and not embedding_now
     hidden, embedding, update, fields, ids = values((hidden, embedding, update, fields, ids))
 
-    def one(args: tuple[jax.Array, ...]) -> tuple[Any, ...]:
+    def one(total: Any, args: tuple[jax.Array, ...]) -> tuple[Any, tuple[Any, ...]]:
         h, (t, m, *segments) = args[0], args[1:]
         nll, gradient, logsumexp = _unit_logit_gradient(h, embedding, update, ids, softcap, t, m)
         d_hidden = jnp.einsum("...v,vd->...d", gradient, embedding)
@@ -271,20 +281,23 @@ def _fused_forward(hidden: Any, embedding: Any, update: Any, fields: Any, ids: A
         if update is not None:
             picked = gradient[..., ids]
             d_hidden = d_hidden + jnp.einsum("...k,kd->...d", picked, update)
-        return (_reduce(nll, m, segments, num_segments), d_hidden.astype(h.dtype),
-                picked if wants_update else None, logsumexp if wants_embedding else None)
+        if embedding_now:  # summed in the embedding's dtype, as the recompute's scan sums it
+            total = total + jnp.einsum("...v,...d->vd", gradient, h,
+                                       preferred_element_type=jnp.float32).astype(total.dtype)
+        return total, (_reduce(nll, m, segments, num_segments), d_hidden.astype(h.dtype),
+                       picked if wants_update else None, logsumexp if recompute else None)
 
-    sums, d_hidden, picked, logsumexp = jax.lax.map(one, (hidden, *fields))
+    start = jnp.zeros(embedding.shape, embedding.dtype) if embedding_now else None
+    summed, (sums, d_hidden, picked, logsumexp) = jax.lax.scan(one, start, (hidden, *fields))
     totals, counts = (jnp.sum(x, axis=0) for x in sums)
-    residuals = (d_hidden, picked, fields, hidden if (wants_update or wants_embedding) else None,
-                 embedding if wants_embedding else None, update, ids, logsumexp)
+    residuals = (d_hidden, picked, fields, hidden if (wants_update or recompute) else None,
+                 embedding if recompute else None, update, ids, logsumexp, summed)
     return (totals, counts), residuals
 
 
 def _fused_backward(softcap: float | None, num_segments: int, residuals: Any, cotangents: Any
                     ) -> tuple[Any, ...]:
-    d_hidden, picked, fields, hidden, embedding, update, ids, logsumexp = residuals
-    wants_embedding = logsumexp is not None
+    d_hidden, picked, fields, hidden, embedding, update, ids, logsumexp, summed = residuals
     cotangent = cotangents[0]  # the counts carry no gradient
     if type(cotangent) is jax.custom_derivatives.SymbolicZero:
         cotangent = jnp.zeros(cotangent.shape, cotangent.dtype)
@@ -299,7 +312,9 @@ def _fused_backward(softcap: float | None, num_segments: int, residuals: Any, co
         grad_update = jnp.einsum("crlk,crl,crld->kd", picked.astype(jnp.float32), weight,
                                  hidden.astype(jnp.float32))
     grad_embedding = None
-    if wants_embedding:
+    if summed is not None:  # formed in the forward pass, for one scalar cotangent
+        grad_embedding = (summed.astype(jnp.float32) * cotangent).astype(summed.dtype)
+    elif logsumexp is not None:
         def embedding_grad(total: jax.Array, args: tuple[jax.Array, ...]
                            ) -> tuple[jax.Array, None]:
             return total + _chunk_embedding_gradient(embedding, update, ids, softcap, *args), None

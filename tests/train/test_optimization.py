@@ -397,3 +397,29 @@ def test_the_loss_never_holds_all_logits():
     finally:
         cross_entropy.LOSS_CHUNK_LOGITS = default
     assert saved > rows * maxlen * vocab * 4
+
+
+def test_full_fine_tuning_forms_the_embedding_gradient_without_recomputing_the_logits(
+        monkeypatch):
+    """The batch's summed loss: the embedding's gradient is formed in the chunked loss's forward
+    pass, three [tokens, V] products a chunk (logits, the hidden states' and the embedding's
+    gradients) where recomputing the logits in the backward pass took four."""
+    rows, length, dim, vocab = 4, 64, 32, 4096
+
+    def flops() -> float:
+        def loss(h, e, t, m):
+            return cross_entropy.chunked_cross_entropy(h, e, t, m,
+                                                       max_logits=rows * 8 * vocab)[0]
+
+        args = (jax.ShapeDtypeStruct((rows, length, dim), jnp.bfloat16),
+                jax.ShapeDtypeStruct((vocab, dim), jnp.bfloat16),
+                jax.ShapeDtypeStruct((rows, length), jnp.int32),
+                jax.ShapeDtypeStruct((rows, length), jnp.bool_))
+        cost = jax.jit(jax.grad(loss, (0, 1))).lower(*args).compile().cost_analysis()
+        return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+    now = flops()
+    monkeypatch.setattr(cross_entropy, "EMBEDDING_GRADIENT_IN_FORWARD", False)
+    recomputed = flops()
+    product = 2 * rows * 8 * vocab * dim  # one [tokens, V] product of a chunk (a loop body)
+    assert recomputed - now == pytest.approx(product, rel=0.1)
