@@ -78,8 +78,8 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
 
     With Gemma's 262k vocabulary the logits of a 128 x 256 batch take 34 GB in fp32; there the
     positions are processed in chunks, and each chunk's gradient is formed as soon as its logits
-    are (``_fused_chunks``): only the hidden states' gradient is kept, no logits are stored or
-    recomputed (but for the embedding's own gradient, in full fine-tuning). A chunk is a span of
+    are (``_fused_chunks``): only the hidden states' gradient (and in full fine-tuning the
+    embedding's) is kept, no logits are stored or recomputed. A chunk is a span of
     positions of every row (at least one), never a run of whole rows: the rows stay where the
     batch sharding put them, so each device computes the logits of its own rows. (Chunks of the
     flattened tokens were whole devices' shares: under data parallelism every device gathered
@@ -104,7 +104,8 @@ def chunked_segment_nll(hidden: jax.Array, embedding: jax.Array, targets: jax.Ar
     ``([B, num_segments] NLL sums, [B, num_segments] loss-bearing targets)``, column ``k`` for
     segment id ``k + 1`` of each row (0 is padding; ids above ``num_segments`` are dropped).
     A sequence's log-probability is minus its column: what preference losses compare, from
-    the same chunks, never the whole logits."""
+    the same chunks, never the whole logits. Each segment's cotangent weighs its positions
+    apart, so in full fine-tuning the embedding's gradient recomputes each chunk's logits."""
     with jax.named_scope(LOSS_SCOPE):
         return _chunked_nll(hidden, embedding, targets, mask, segment_ids, num_segments,
                             softcap=softcap, max_logits=max_logits, mesh=mesh,
