@@ -707,6 +707,14 @@ def _logits_bytes(config: TrainConfig, sizes: dict[str, int], vocab: int, data_w
     return 6 * -(-chunk // data_ways) * vocab_shard
 
 
+def compiled_cost(compiled: Any) -> dict[str, float]:
+    """XLA's cost analysis of a compiled program (one device's): ``flops``, ``bytes accessed``
+    and the rest; some jax versions wrap it in a one-element list, some give None."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return dict(cost or {})
+
+
 def model_flops(model_config: Any, num_params: int, config: TrainConfig, *,
                 adapters: int = 0) -> float:
     """Training FLOPs of one step: 6 per weight per token (the tied embedding counted once, as

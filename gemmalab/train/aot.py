@@ -18,6 +18,7 @@ from gemmalab.plan import (
     Accelerator,
     abstract_params,
     adapter_params,
+    compiled_cost,
     parse_accelerator,
     preference_segments_bound,
     vocab_size_hint,
@@ -83,8 +84,7 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
                                         preference_settings=preference_settings)
     compiled = step.lower(abstract_state, batch, frozen).compile()
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost = compiled_cost(compiled)
     breakdown = {
         "arguments": int(memory.argument_size_in_bytes),
         "outputs_not_aliased": int(memory.output_size_in_bytes - memory.alias_size_in_bytes),

@@ -245,9 +245,10 @@ class FlopAccounting:
 
     def record_compiled(self, compiled: Any) -> None:
         """XLA's FLOP count of the compiled step: one device's program, times every device."""
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        self.compiled_flops_per_step = float((cost or {}).get("flops", 0.0)) * jax.device_count()
+        from gemmalab import plan
+
+        cost = plan.compiled_cost(compiled)
+        self.compiled_flops_per_step = float(cost.get("flops", 0.0)) * jax.device_count()
 
     def summary(self, steps: int, seconds: float) -> dict[str, float | None]:
         """Achieved model FLOP/s over ``steps`` steps in ``seconds``, MFU and (CPUs) the share
