@@ -1,6 +1,7 @@
 """Checkpoints and resume: a run stopped at any step and started again with the same config
 trains exactly as if it had never stopped."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import psutil
 import pytest
 
 from gemmalab.config import TrainConfig
@@ -243,7 +245,59 @@ def _wait_for_rows(process, output_dir, rows, timeout=300):
     while _rows(output_dir) < rows:
         assert process.poll() is None, process.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "the run did not reach the step in time"
+        time.sleep(0.01)
+
+
+def _kill_tree(process):
+    """SIGKILL to papermill and its kernel at once, as a lost node or an OOM-killed pod. The
+    kernel runs in a session of its own: a SIGKILL to papermill's process group would miss it,
+    and it would train on (and might save the next checkpoint) until ipykernel's parent poller
+    noticed, up to a second later."""
+    tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    for member in tree:
+        with contextlib.suppress(psutil.Error):
+            member.kill()
+    process.wait()
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, alive
+
+
+def _kernel(process, timeout=300):
+    """The kernel papermill started for ``process`` (a descendant running ipykernel)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if any("ipykernel" in part for part in child.cmdline()):
+                    return child
         time.sleep(0.05)
+    raise AssertionError("papermill started no kernel")
+
+
+def _sigterm_pending(pid):
+    """Whether SIGTERM waits in ``pid``'s process-wide pending set (Linux); None without /proc."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    pending = int(re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return bool(pending >> (signal.SIGTERM - 1) & 1)
+
+
+def _sigterm_while_stopped(entry, kernel, timeout=60):
+    """SIGTERM to the container's entry point while the kernel is stopped (SIGSTOP), which it
+    forwards; the kernel goes on once the signal is pending. However fast its steps are, the
+    kernel hears it within a step of where it was stopped: no race against the run's end."""
+    kernel.suspend()
+    os.kill(entry.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while not (pending := _sigterm_pending(kernel.pid)):
+        if pending is None:  # no /proc: give the forwarding a generous moment
+            time.sleep(2)
+            break
+        assert time.monotonic() < deadline, "the entry point did not forward SIGTERM"
+        time.sleep(0.01)
+    kernel.resume()
 
 
 @pytest.mark.slow
@@ -255,15 +309,17 @@ def test_papermill_runs_survive_sigkill_and_sigterm(tmp_path, cache_dir, stories
     argv = _papermill_command(output_dir, cache_dir, stories_file, "out")
 
     killed = _start(argv, "papermill")
+    kernel = _kernel(killed)
     _wait_for_rows(killed, output_dir, 12)  # past the checkpoint at step 8
-    os.killpg(killed.pid, signal.SIGKILL)
-    killed.wait()
+    kernel.suspend()  # no further step: what it wrote is what the next run finds
     reached = _rows(output_dir)
-    assert 12 <= reached < 32
+    _kill_tree(killed)
+    assert 12 <= reached < 16  # before the next checkpoint
 
     stopped = _start(argv, "gemmalab.k8s.run_notebook")
+    kernel = _kernel(stopped)
     _wait_for_rows(stopped, output_dir, reached + 4)
-    os.kill(stopped.pid, signal.SIGTERM)
+    _sigterm_while_stopped(stopped, kernel)
     log = stopped.communicate(timeout=120)[0]
     assert stopped.returncode == run_notebook.PREEMPTED_EXIT_CODE, log[-3000:]
     notebook = (tmp_path / "out.ipynb").read_text()
