@@ -56,9 +56,21 @@ from notebook_regression import (  # noqa: E402, F401
     pytest_configure,
 )
 
+import gemmalab  # noqa: E402
 from gemmalab.data import corpus  # noqa: E402
 
 PROMPT = "Once upon a time, there was a girl named Amy."
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Stop before any test when gemmalab is not this checkout's: a virtual environment linked
+    in from another clone imports that clone's (its editable install), and every test would
+    pass or fail on code that is not the one under test."""
+    imported = Path(gemmalab.__file__).resolve().parent.parent
+    if imported != TESTS.parent:
+        pytest.exit(f"the tests import gemmalab from {imported}, not from this checkout "
+                    f"({TESTS.parent}): the environment belongs to another clone. Fix: `make "
+                    "env` here, for a .venv of this checkout's own", returncode=4)
 
 
 @pytest.fixture(scope="session")
