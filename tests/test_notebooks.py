@@ -79,6 +79,24 @@ def test_notebooks_have_a_parameters_cell_and_thin_cells():
                 assert len(logic) <= 15, f"{path.name}: move logic into gemmalab"
 
 
+def test_papermill_reads_every_parameter_of_each_notebook():
+    """papermill's own reading of each parameters cell (what `papermill --help-notebook` lists,
+    and what it checks `-p` names against) finds every name the cell assigns: a line it cannot
+    parse (e.g. a second `=` in a comment) is dropped with a warning on every run."""
+    import ast
+
+    from papermill.translators import PythonTranslator
+
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        notebook = json.loads(path.read_text())
+        cell = next(c for c in notebook["cells"] if "parameters" in c["metadata"].get("tags", []))
+        source = "".join(cell["source"])
+        assigned = [node.targets[0].id for node in ast.parse(source).body
+                    if isinstance(node, ast.Assign)]
+        read = [parameter.name for parameter in PythonTranslator.inspect({"source": source})]
+        assert read == assigned, f"{path.name}: papermill reads {read}, the cell sets {assigned}"
+
+
 def test_launch_notebook_renders_without_a_cluster(tmp_path):
     """submit=False (the default) renders and shows the objects; nothing reaches a cluster."""
     import papermill
