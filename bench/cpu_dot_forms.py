@@ -46,8 +46,13 @@ def forms(vocab: int, tokens: int = 1024, dim: int = 640, size: int = 2048
     gradient = jax.random.normal(keys[4], (tokens, vocab), bf16)
     square, logits = 2.0 * n**3, 2.0 * tokens * vocab * dim
 
-    def barrier_transposed(t: jax.Array) -> jax.Array:  # a transposed copy XLA cannot fold away
+    def barrier_transposed(t: jax.Array) -> jax.Array:  # XLA folds it into the dot's layout
         return jax.lax.optimization_barrier(jnp.transpose(t))
+
+    def materialized_transposed(t: jax.Array) -> jax.Array:
+        """``t^T`` written out row-major: flattened behind the barrier, no layout can fold it."""
+        flat = jax.lax.optimization_barrier(jnp.transpose(t).reshape(-1))
+        return flat.reshape(t.shape[::-1])
 
     table = [
         ("square a.b (cpu_mfu's reference)", jnp.dot, (a, b), square),
@@ -78,6 +83,9 @@ def forms(vocab: int, tokens: int = 1024, dim: int = 640, size: int = 2048
         ("embedding gradient transposed: x^T copied, dt,tv->dv",
          lambda g, x: jnp.einsum("dt,tv->dv", barrier_transposed(x), g,
                                  preferred_element_type=f32), (gradient, x), logits),
+        ("embedding gradient transposed: x^T materialized, dt,tv->dv",
+         lambda g, x: jnp.einsum("dt,tv->dv", materialized_transposed(x), g,
+                                 preferred_element_type=f32), (gradient, x), logits),
     ]
     for inner, outer in ((dim, size), (size, dim)):
         w = jax.random.normal(keys[5], (inner, outer), bf16)
@@ -89,6 +97,12 @@ def forms(vocab: int, tokens: int = 1024, dim: int = 640, size: int = 2048
             (f"its input gradient as autodiff emits it (dy.w^T, {outer} contracted)",
              lambda x, w, y: jax.vjp(lambda x: x @ w, x)[1](y)[0], (x_in, w, y), flops),
             (f"the same written dy @ w.T ({outer} contracted)", lambda y, w: y @ w.T, (y, w),
+             flops),
+            # Full fine-tuning's weight gradient contracts the tokens, dimension 0 of both.
+            (f"its weight gradient td,tf->df (w[{inner},{outer}], {tokens} contracted)",
+             lambda x, y: jnp.einsum("td,tf->df", x, y), (x_in, y), flops),
+            (f"the same, x^T materialized: dt,tf->df (w[{inner},{outer}])",
+             lambda x, y: jnp.einsum("dt,tf->df", materialized_transposed(x), y), (x_in, y),
              flops),
         ]
     return table

@@ -117,8 +117,9 @@ def test_logits_widening_bench_times_the_same_gradient_both_ways(max_logits):
 
 
 def test_cpu_dot_forms_compute_the_same_products_in_each_form():
-    """The embedding gradient's three forms are one matrix (one of them transposed), and so are
-    the square products and the input gradients in their two spellings: equal work timed."""
+    """The embedding gradient's four forms are one matrix (two of them transposed), and so are
+    the square products, the input gradients and the weight gradients in their two spellings:
+    equal work timed."""
     import cpu_dot_forms
 
     table = {name: (fn, operands) for name, fn, operands, _ in
@@ -131,13 +132,20 @@ def test_cpu_dot_forms_compute_the_same_products_in_each_form():
     autodiff = run("embedding gradient tv,td->vd")
     assert autodiff.shape == (96, 8)
     np.testing.assert_allclose(run("embedding gradient g^T copied"), autodiff, rtol=1e-5)
-    np.testing.assert_allclose(run("embedding gradient transposed").T, autodiff, rtol=1e-5)
+    np.testing.assert_allclose(run("embedding gradient transposed: x^T copied").T, autodiff,
+                               rtol=1e-5)
+    np.testing.assert_allclose(run("embedding gradient transposed: x^T materialized").T,
+                               autodiff, rtol=1e-5)
     np.testing.assert_allclose(run("square a.b^T"), run("square einsum mk,nk"), rtol=2e-2,
                                atol=1e-1)
     for contracted in (32, 8):
         np.testing.assert_allclose(
             run(f"its input gradient as autodiff emits it (dy.w^T, {contracted} contracted)"),
             run(f"the same written dy @ w.T ({contracted} contracted)"), rtol=2e-2, atol=1e-1)
+    for shape in ("w[8,32]", "w[32,8]"):
+        np.testing.assert_allclose(run(f"its weight gradient td,tf->df ({shape}"),
+                                   run(f"the same, x^T materialized: dt,tf->df ({shape})"),
+                                   rtol=2e-2, atol=1e-1)
     loss_form = run("logits einsum td,vd->tv")
     np.testing.assert_allclose(run("logits x.E^T with E^T stored"), loss_form, rtol=1e-5)
     np.testing.assert_allclose(run("logits vocabulary-major").T, loss_form, rtol=1e-5)
