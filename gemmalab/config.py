@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -385,6 +386,13 @@ class TrainConfig:
         stay declared once, here.
         """
         known = {f.name for f in dataclasses.fields(cls)}
+        for name in _unknown_injected_names(namespace, known):
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise ConfigError(name, "was passed to papermill but is neither a training parameter "
+                              "nor one of this notebook's",
+                              f"did you mean {close[0]}?" if close else
+                              "use a gemmalab.config.TrainConfig field or a name of the "
+                              "notebook's parameters cell")
         values = {name: value for name, value in namespace.items() if name in known}
         return cls.from_dict({**values, **overrides})
 
@@ -397,6 +405,43 @@ class TrainConfig:
                 raise ConfigError(name, "is not a training parameter",
                                   f"use one of {sorted(known)}")
         return cls(**values)
+
+
+# papermill's cell of ``-p``/``-y`` values opens with this line (its translators' comment).
+PAPERMILL_INJECTED_HEADER = "# Parameters"
+
+
+def _unknown_injected_names(namespace: Mapping[str, Any], known: set[str]) -> list[str]:
+    """Names papermill injected (its cell, found in IPython's input history ``In``) that are
+    neither ``known`` nor set by any cell of the notebook itself: a misspelt ``-p max_step``
+    would otherwise run with the default, papermill's warning lost among those it prints for
+    every field the parameters cell does not list. Outside a papermill kernel: none."""
+    history = namespace.get("In")
+    if not isinstance(history, list):
+        return []
+    injected, own = [], set()
+    for source in history:
+        names = _assigned_names(source) if isinstance(source, str) else []
+        if source and source.splitlines()[0].strip() == PAPERMILL_INJECTED_HEADER:
+            injected += names
+        else:
+            own.update(names)
+    return [name for name in injected if name not in known and name not in own]
+
+
+def _assigned_names(source: str) -> list[str]:
+    """The names a cell's top-level statements assign (none if it does not parse)."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    return [node.id for statement in tree.body
+            if isinstance(statement, ast.Assign | ast.AnnAssign | ast.AugAssign)
+            for target in (statement.targets if isinstance(statement, ast.Assign)
+                           else [statement.target])
+            for node in ast.walk(target) if isinstance(node, ast.Name)]
 
 
 def _model_of_checkpoint(checkpoint: str) -> str:

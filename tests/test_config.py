@@ -73,6 +73,30 @@ def test_from_parameters_takes_every_field_among_a_notebooks_variables():
         TrainConfig.from_parameters({"compute_dtype": "fp8"})
 
 
+def test_a_misspelt_papermill_parameter_is_refused_naming_the_field_it_meant():
+    """papermill's injected cell (in IPython's input history) may set only fields and names of
+    the notebook's own cells; anything else is a mistake, not a variable to ignore."""
+    own = '# Parameters (papermill -p overrides these)\nprompt = "x"\nlora_rank = 8\n'
+    setup = "from gemmalab.config import TrainConfig\nhistory: list = []\n"
+
+    def namespace(injected):
+        cells = ["", own, f"# Parameters\n{injected}\n", setup]
+        return {"In": cells, "lora_rank": 4, "prompt": "y", "max_step": 3, "modle": "x"}
+
+    config = TrainConfig.from_parameters(namespace('lora_rank = 4\nprompt = "y"\nhistory = 1'))
+    assert config.lora_rank == 4  # fields, the notebook's own names and its later cells' pass
+    with pytest.raises(ConfigError, match=r"^max_step: was passed to papermill but is neither "
+                       r"a training parameter nor one of this notebook's\. Fix: did you mean "
+                       r"max_steps\?$"):
+        TrainConfig.from_parameters(namespace("lora_rank = 4\nmax_step = 3"))
+    with pytest.raises(ConfigError, match=r"^zzz: .* Fix: use a gemmalab.config.TrainConfig"):
+        TrainConfig.from_parameters(namespace("zzz = 3"))
+    # Outside papermill (no injected cell, or no IPython history): nothing to check.
+    assert TrainConfig.from_parameters({"In": ["", own], "max_step": 3}).max_steps == (
+        TrainConfig().max_steps)
+    assert TrainConfig.from_parameters({"max_step": 3}).max_steps == TrainConfig().max_steps
+
+
 def test_the_model_and_tokenizer_follow_the_checkpoint(tmp_path):
     embedded = TrainConfig(checkpoint="embedded:gemma3-270m")
     assert (embedded.model, embedded.tokenizer) == ("gemma3-270m", "gemma3")

@@ -36,6 +36,25 @@ def test_train_notebook_runs_offline_end_to_end(tmp_path, cache_dir):
     assert "params saved to" in text
 
 
+def test_a_misspelt_parameter_stops_the_notebook_at_its_config_naming_the_field(tmp_path):
+    """papermill only warns of a name the parameters cell does not list (it does so for every
+    field passed), so `-p max_step 3` would train with the default: the config cell refuses it
+    in one line, before any data or model work."""
+    import papermill
+
+    with pytest.raises(papermill.PapermillExecutionError) as raised:
+        papermill.execute_notebook(
+            str(NOTEBOOKS / "train.ipynb"), str(tmp_path / "typo.ipynb"),
+            parameters=dict(model="gemma3-tiny", checkpoint="", max_step=3, maxlen=64,
+                            output_dir=str(tmp_path / "run")),
+            kernel_name="python3", progress_bar=False, cwd=str(tmp_path))
+    assert raised.value.ename == "ConfigError"
+    assert raised.value.evalue == (
+        "max_step: was passed to papermill but is neither a training parameter nor one of this "
+        "notebook's. Fix: did you mean max_steps?")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_train_notebook_runs_dpo_and_plots_its_rewards(tmp_path, cache_dir):
     """objective=dpo through the same notebook: the embedded preference set (data_path ""),
