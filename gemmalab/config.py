@@ -420,12 +420,11 @@ def _unknown_injected_names(namespace: Mapping[str, Any], known: set[str]) -> li
     if not isinstance(history, list):
         return []
     injected, own = [], set()
-    for source in history:
-        names = _assigned_names(source) if isinstance(source, str) else []
-        if source and source.splitlines()[0].strip() == PAPERMILL_INJECTED_HEADER:
-            injected += names
+    for source in (entry for entry in history if isinstance(entry, str) and entry.strip()):
+        if source.splitlines()[0].strip() == PAPERMILL_INJECTED_HEADER:
+            injected += _assigned_names(source)
         else:
-            own.update(names)
+            own.update(_assigned_names(source))
     return [name for name in injected if name not in known and name not in own]
 
 
