@@ -29,6 +29,8 @@ def _deaf_to_sigterm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import psutil  # here, not in the handler: nothing to import while a preemption's clock runs
+
     argv = sys.argv[1:] if argv is None else argv
     papermill = [sys.executable, "-m", "papermill", *argv]
     process = subprocess.Popen(papermill, preexec_fn=_deaf_to_sigterm)
@@ -37,8 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     def forward(signum: int, frame: object) -> None:
         nonlocal stop_requested
         stop_requested = True
-        import psutil
-
         with contextlib.suppress(psutil.Error):  # papermill already gone
             for child in psutil.Process(process.pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error):
