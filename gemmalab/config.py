@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -386,13 +386,7 @@ class TrainConfig:
         stay declared once, here.
         """
         known = {f.name for f in dataclasses.fields(cls)}
-        for name in _unknown_injected_names(namespace, known):
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            raise ConfigError(name, "was passed to papermill but is neither a training parameter "
-                              "nor one of this notebook's",
-                              f"did you mean {close[0]}?" if close else
-                              "use a gemmalab.config.TrainConfig field or a name of the "
-                              "notebook's parameters cell")
+        refuse_unknown_parameters(namespace, known)
         values = {name: value for name, value in namespace.items() if name in known}
         return cls.from_dict({**values, **overrides})
 
@@ -411,21 +405,37 @@ class TrainConfig:
 PAPERMILL_INJECTED_HEADER = "# Parameters"
 
 
-def _unknown_injected_names(namespace: Mapping[str, Any], known: set[str]) -> list[str]:
-    """Names papermill injected (its cell, found in IPython's input history ``In``) that are
-    neither ``known`` nor set by any cell of the notebook itself: a misspelt ``-p max_step``
-    would otherwise run with the default, papermill's warning lost among those it prints for
-    every field the parameters cell does not list. Outside a papermill kernel: none."""
+def refuse_unknown_parameters(namespace: Mapping[str, Any],
+                              training_fields: Collection[str] = ()) -> None:
+    """Refuse, in one line, a name papermill injected (its cell, found in IPython's input history
+    ``In``) that no cell of the notebook run so far sets and that is not among
+    ``training_fields`` (the notebooks that read ``TrainConfig`` from their variables pass its
+    fields): a misspelt ``-p max_step`` would otherwise run with the default, papermill's warning
+    easy to miss. Call it from a notebook's first cell after its parameters, with ``globals()``.
+    Outside a papermill kernel there is nothing to check."""
     history = namespace.get("In")
     if not isinstance(history, list):
-        return []
+        return
     injected, own = [], set()
     for source in (entry for entry in history if isinstance(entry, str) and entry.strip()):
         if source.splitlines()[0].strip() == PAPERMILL_INJECTED_HEADER:
             injected += _assigned_names(source)
         else:
             own.update(_assigned_names(source))
-    return [name for name in injected if name not in known and name not in own]
+    for name in injected:
+        if name in training_fields or name in own:
+            continue
+        close = difflib.get_close_matches(name, sorted({*training_fields, *own}), n=1)
+        if training_fields:
+            problem = ("was passed to papermill but is neither a training parameter nor one of "
+                       "this notebook's")
+            fix = ("use a gemmalab.config.TrainConfig field or a name of the notebook's "
+                   "parameters cell")
+        else:
+            problem = "was passed to papermill but is not one of this notebook's parameters"
+            fix = ("use a name of its parameters cell (`papermill NOTEBOOK --help-notebook` "
+                   "lists them)")
+        raise ConfigError(name, problem, f"did you mean {close[0]}?" if close else fix)
 
 
 def _assigned_names(source: str) -> list[str]:

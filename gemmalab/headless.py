@@ -12,6 +12,11 @@ for it; nbclient's ``shutdown_kernel`` passes through ``execute_notebook``.
 Multi-host pods keep the graceful shutdown (``gemmalab.k8s.run_notebook``): there the kernel's
 exit runs ``jax.distributed``'s shutdown barrier, which other hosts may still be waiting on.
 
+papermill warns of every ``-p`` name the notebook's parameters cell does not assign. The
+notebooks that train read every ``TrainConfig`` field from their variables, and refuse a name
+that is neither a field nor theirs (``TrainConfig.from_parameters``), so for fields the warning
+is noise (a sweep's point passes a dozen): here it is dropped for them, kept for other names.
+
 The kernel's malloc is ``gemmalab.allocator``'s choice for this host (mimalloc in VMs that hand
 freed pages to their hypervisor, else glibc's with huge pages; ``GEMMALAB_MALLOC`` overrides).
 A preloaded allocator is read only as a process starts: the variables are set here, for the
@@ -20,24 +25,47 @@ kernel; ones already set win.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import os
 import sys
 
 from gemmalab import allocator
+from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 
+UNKNOWN_PARAMETER = "Passed unknown parameter: "  # papermill's warning (papermill.execute)
 
-def main(argv: list[str] | None = None) -> None:
+
+class TrainingFieldsAreKnown(logging.Filter):
+    """Drops papermill's unknown-parameter warning for ``TrainConfig`` fields only."""
+
+    fields = frozenset(field.name for field in dataclasses.fields(TrainConfig))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith(UNKNOWN_PARAMETER)
+                    and message.removeprefix(UNKNOWN_PARAMETER) in self.fields)
+
+
+def run_papermill(argv: list[str], *, shutdown_kernel: str, prog_name: str) -> None:
+    """papermill's command line on ``argv``; the kernel shut down ``immediate`` or ``graceful``."""
     from papermill import cli
     from papermill.execute import execute_notebook
 
+    logging.getLogger("papermill").addFilter(TrainingFieldsAreKnown())
+    cli.execute_notebook = functools.partial(execute_notebook, shutdown_kernel=shutdown_kernel)
+    cli.papermill.main(args=argv, prog_name=prog_name)
+
+
+def main(argv: list[str] | None = None) -> None:
     try:
         os.environ.update(allocator.environment())  # inherited by the kernel
     except ConfigError as error:
         raise SystemExit(str(error)) from None
-    cli.execute_notebook = functools.partial(execute_notebook, shutdown_kernel="immediate")
-    cli.papermill.main(args=sys.argv[1:] if argv is None else argv, prog_name="gemmalab.headless")
+    run_papermill(sys.argv[1:] if argv is None else argv, shutdown_kernel="immediate",
+                  prog_name="gemmalab.headless")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 import pytest
 
-from gemmalab.config import TrainConfig
+from gemmalab.config import TrainConfig, refuse_unknown_parameters
 from gemmalab.errors import ConfigError
 
 
@@ -95,6 +95,22 @@ def test_a_misspelt_papermill_parameter_is_refused_naming_the_field_it_meant():
     assert TrainConfig.from_parameters({"In": ["", own], "max_step": 3}).max_steps == (
         TrainConfig().max_steps)
     assert TrainConfig.from_parameters({"max_step": 3}).max_steps == TrainConfig().max_steps
+
+
+def test_a_notebook_without_a_config_refuses_names_that_are_not_its_own():
+    """refuse_unknown_parameters alone (sample_compare, export, launch): papermill's names must
+    be the notebook's own; training fields are not, there."""
+    own = 'run = "runs/train"\nformats = ["hf"]\n'
+    history = ["", own, '# Parameters\nrun = "x"\nformat = ["gemma"]\n']
+    with pytest.raises(ConfigError, match=r"^format: was passed to papermill but is not one of "
+                       r"this notebook's parameters\. Fix: did you mean formats\?$"):
+        refuse_unknown_parameters({"In": history})
+    with pytest.raises(ConfigError, match=r"^lora_rank: .* Fix: use a name of its parameters "
+                       r"cell \(`papermill NOTEBOOK --help-notebook` lists them\)$"):
+        refuse_unknown_parameters({"In": ["", own, "# Parameters\nlora_rank = 8\n"]})
+    refuse_unknown_parameters({"In": history[:2]})  # papermill gave nothing
+    refuse_unknown_parameters({"In": ["", own, '# Parameters\nrun = "x"\n']})  # its own names
+    refuse_unknown_parameters({})  # not in IPython
 
 
 def test_the_model_and_tokenizer_follow_the_checkpoint(tmp_path):

@@ -55,6 +55,38 @@ def test_a_misspelt_parameter_stops_the_notebook_at_its_config_naming_the_field(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(("notebook", "typo", "meant"), [
+    ("sample_compare", "max_new_token", "max_new_tokens"),
+    ("export", "format", "formats"),
+    ("launch", "topolgy", "topology"),
+])
+def test_the_other_notebooks_refuse_a_misspelt_parameter_at_their_first_cell(
+        tmp_path, notebook, typo, meant):
+    """The notebooks without a TrainConfig check papermill's names against their own: a typo
+    stops the run before it loads a run, writes an export or renders a job."""
+    import papermill
+
+    with pytest.raises(papermill.PapermillExecutionError) as raised:
+        papermill.execute_notebook(
+            str(NOTEBOOKS / f"{notebook}.ipynb"), str(tmp_path / "typo.ipynb"),
+            parameters={typo: 3}, kernel_name="python3", progress_bar=False, cwd=str(tmp_path))
+    assert (raised.value.ename, raised.value.evalue) == ("ConfigError", (
+        f"{typo}: was passed to papermill but is not one of this notebook's parameters. "
+        f"Fix: did you mean {meant}?"))
+    assert raised.value.exec_count == 3  # the first cell after the parameters and papermill's
+
+
+def test_every_notebook_checks_papermills_names_in_its_first_cell():
+    """Each notebook's first cell after its parameters checks what papermill injected: through
+    TrainConfig.from_parameters (which refuses unknown names) or refuse_unknown_parameters."""
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        tags = [c["metadata"].get("tags", []) for c in cells]
+        source = "".join(cells[[("parameters" in t) for t in tags].index(True) + 1]["source"])
+        assert ("TrainConfig.from_parameters(globals())" in source
+                or "refuse_unknown_parameters(globals())" in source), path.name
+
+
 @pytest.mark.slow
 def test_train_notebook_runs_dpo_and_plots_its_rewards(tmp_path, cache_dir):
     """objective=dpo through the same notebook: the embedded preference set (data_path ""),

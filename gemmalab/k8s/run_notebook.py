@@ -11,6 +11,11 @@ papermill then writes the notebook with the ``Preempted`` line, and this process
 ``PREEMPTED_EXIT_CODE``, which the manifests' pod failure policies retry without counting it
 as a failure. The next pod resumes from the checkpoint.
 
+papermill runs in a child process (this module again, ``AS_PAPERMILL`` first): its command line
+as ``gemmalab.headless`` runs it, without the notes on training parameters, but with the
+kernel's graceful shutdown (its exit runs ``jax.distributed``'s shutdown barrier, which other
+hosts may still wait on) and the container's own malloc.
+
     python -m gemmalab.k8s.run_notebook INPUT.ipynb OUTPUT.ipynb [papermill options...]
 """
 
@@ -22,6 +27,7 @@ import subprocess
 import sys
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as a process ended by it would report
+AS_PAPERMILL = "--as-papermill"  # the child's first argument: run papermill itself
 
 
 def _deaf_to_sigterm() -> None:
@@ -32,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     import psutil  # here, not in the handler: nothing to import while a preemption's clock runs
 
     argv = sys.argv[1:] if argv is None else argv
-    papermill = [sys.executable, "-m", "papermill", *argv]
+    if argv[:1] == [AS_PAPERMILL]:
+        from gemmalab.headless import run_papermill
+
+        run_papermill(argv[1:], shutdown_kernel="graceful", prog_name="papermill")
+        return 0
+    papermill = [sys.executable, "-m", "gemmalab.k8s.run_notebook", AS_PAPERMILL, *argv]
     process = subprocess.Popen(papermill, preexec_fn=_deaf_to_sigterm)
     stop_requested = False
 
