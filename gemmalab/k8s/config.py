@@ -127,7 +127,7 @@ class ClusterConfig:
     backoff_limit: int = 0  # single-host Job: pod retries
     max_restarts: int = 0  # JobSet: restarts of the whole set after a failure
     ttl_after_finished_s: int = 3 * 24 * 3600  # keep finished jobs (and logs) for 3 days
-    active_deadline_s: int | None = None  # hard wall-clock limit on the run
+    active_deadline_s: int | None = None  # wall-clock limit of an attempt; past it the run fails
     cache_size_gi: int = 20  # emptyDir for the cache dir (node boot disk)
 
     # Kueue (gemmalab.k8s.kueue): the LocalQueue a run is submitted to ("" = not queued: the run

@@ -249,9 +249,7 @@ def jobset(config: ClusterConfig) -> dict[str, Any]:
             "ttlSecondsAfterFinished": config.ttl_after_finished_s,
             "failurePolicy": {
                 "maxRestarts": config.max_restarts,
-                "rules": [{"name": "restart-after-disruption",
-                           "action": "RestartJobSetAndIgnoreMaxRestarts",
-                           "onJobFailureReasons": ["PodFailurePolicy"]}],
+                "rules": _jobset_failure_rules(config),
             },
             # A headless service named after the JobSet: pods resolve each other as
             # <jobset>-<replicatedJob>-<slice>-<host>.<jobset>, as the TPU runtime expects.
@@ -263,6 +261,21 @@ def jobset(config: ClusterConfig) -> dict[str, Any]:
             }],
         },
     }
+
+
+def _jobset_failure_rules(config: ClusterConfig) -> list[dict[str, Any]]:
+    """What a child Job's failure does to the JobSet, first match wins; a failure no rule matches
+    restarts the set, counted against ``maxRestarts``. JobSet's webhook refuses rule names other
+    than ``^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$`` (no hyphens)."""
+    rules = []
+    if config.active_deadline_s is not None:
+        # A child Job past its activeDeadlineSeconds: the run is over, not restarted with a
+        # fresh deadline.
+        rules.append({"name": "failAtDeadline", "action": "FailJobSet",
+                      "onJobFailureReasons": ["DeadlineExceeded"]})
+    rules.append({"name": "restartAfterDisruption", "action": "RestartJobSetAndIgnoreMaxRestarts",
+                  "onJobFailureReasons": ["PodFailurePolicy"]})
+    return rules
 
 
 def build(config: ClusterConfig) -> list[Any]:
