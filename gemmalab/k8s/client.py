@@ -71,6 +71,39 @@ def pod_phases(job_name: str, namespace: str = "default", *,
             for pod in _pods(job_name, namespace, api)}
 
 
+# The terminal conditions of a JobSet (jobset.x-k8s.io) and of a batch/v1 Job.
+JOBSET_OUTCOMES = {"Completed": "Succeeded", "Failed": "Failed"}
+JOB_OUTCOMES = {"Complete": "Succeeded", "Failed": "Failed"}
+
+
+def run_outcome(job_name: str, namespace: str = "default", *,
+                api_client: client.ApiClient | None = None) -> str | None:
+    """How the run ended, from its JobSet's (else its Job's) conditions: ``"Succeeded"``,
+    ``"Failed"``, ``"NotFound"`` (neither exists, e.g. deleted), or None while it still waits in
+    a queue, runs or restarts: a pod that failed is not the end of a run its failure policy
+    retries (a preempted host, a JobSet restart)."""
+    api = connect(api_client)
+    try:
+        jobset = client.CustomObjectsApi(api).get_namespaced_custom_object(
+            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, job_name)
+        conditions = [(c.get("type"), c.get("status"))
+                      for c in (jobset.get("status") or {}).get("conditions") or []]
+        outcomes = JOBSET_OUTCOMES
+    except client.ApiException as e:
+        if e.status != NOT_FOUND:  # 404 too where the JobSet CRD is not installed
+            raise
+        try:
+            job = client.BatchV1Api(api).read_namespaced_job(job_name, namespace)
+        except client.ApiException as e:
+            if e.status != NOT_FOUND:
+                raise
+            return "NotFound"
+        conditions = [(c.type, c.status) for c in (job.status and job.status.conditions) or []]
+        outcomes = JOB_OUTCOMES
+    return next((outcomes[kind] for kind, status in conditions
+                 if status == "True" and kind in outcomes), None)
+
+
 def tail_logs(job_name: str, namespace: str = "default", *, tail_lines: int = 50,
               container: str = CONTAINER,
               api_client: client.ApiClient | None = None) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""What launch.ipynb does after submitting: wait on the pods, then read the run's metrics."""
+"""What launch.ipynb does after submitting: wait for the run to end, then read its metrics."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from typing import Any
 from gemmalab import storage
 from gemmalab.k8s import client as k8s_client
 
-DONE_PHASES = ("Succeeded", "Failed")
-
 
 def watch(job_name: str, namespace: str = "default", *, timeout_s: float = 1800,
           poll_s: float = 15, on_change: Callable[[dict[str, str]], None] | None = None,
-          api_client: Any = None) -> dict[str, str]:
-    """Poll pod phases until every pod finished, one failed, or ``timeout_s`` passed.
+          api_client: Any = None) -> str:
+    """Poll until the run's Job or JobSet has ended, or ``timeout_s`` passed; returns its outcome
+    (``client.run_outcome``: Succeeded, Failed, NotFound) or ``"Running"`` at the deadline.
 
-    ``on_change`` is called with ``{pod: phase}`` whenever the phases change (the notebook
-    prints them). Returns the last phases seen.
+    A failed pod does not end the watch: the run's failure policy may retry it (a preempted
+    host, a JobSet restart). ``on_change`` is called with ``{pod: phase}`` whenever the phases
+    change (the notebook prints them).
     """
     deadline = time.monotonic() + timeout_s
     last: dict[str, str] | None = None
@@ -28,9 +28,11 @@ def watch(job_name: str, namespace: str = "default", *, timeout_s: float = 1800,
         if phases != last and on_change is not None:
             on_change(phases)
         last = phases
-        finished = bool(phases) and all(p in DONE_PHASES for p in phases.values())
-        if finished or "Failed" in phases.values() or time.monotonic() >= deadline:
-            return phases
+        outcome = k8s_client.run_outcome(job_name, namespace, api_client=api_client)
+        if outcome is not None:
+            return outcome
+        if time.monotonic() >= deadline:
+            return "Running"
         time.sleep(poll_s)
 
 

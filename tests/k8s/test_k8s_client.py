@@ -23,6 +23,7 @@ from gemmalab.k8s.config import ClusterConfig
 JOBSET_PATH = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets"
 JOB_PATH = "/apis/batch/v1/namespaces/{ns}/jobs"
 PODS = {"gemma3-v6e-2x4-slice-0-1-bbbbb": "Pending", "gemma3-v6e-2x4-slice-0-0-aaaaa": "Running"}
+CONDITIONS: dict[str, list[dict]] = {}  # a Job's or JobSet's path: its status.conditions
 
 
 def _pod(name: str, phase: str) -> dict:
@@ -68,6 +69,13 @@ class StubKubernetesAPI(BaseHTTPRequestHandler):
             items = ([_pod(n, p) for n, p in PODS.items()]
                      if selector == "app.kubernetes.io/instance=gemma3-v6e-2x4" else [])
             self._reply(200, {"kind": "PodList", "apiVersion": "v1", "items": items})
+        elif path.startswith(JOBSET_PATH.format(ns="team-a") + "/") and path in self.existing:
+            self._reply(200, {"kind": "JobSet", "metadata": {"name": path.split("/")[-1]},
+                              "status": {"conditions": CONDITIONS[path]}})
+        elif path.startswith(JOB_PATH.format(ns="team-a") + "/") and path in self.existing:
+            self._reply(200, {"kind": "Job", "apiVersion": "batch/v1",
+                              "metadata": {"name": path.split("/")[-1]},
+                              "status": {"conditions": CONDITIONS[path]}})
         elif path.startswith("/api/v1/namespaces/team-a/pods/") and path.endswith("/log"):
             pod = path.split("/")[-2]
             if PODS.get(pod) != "Running":
@@ -119,6 +127,30 @@ def test_submit_creates_a_job_and_a_jobset(api):
     assert second["body"]["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 2
     with pytest.raises(ValueError, match="only Job and JobSet"):
         client.submit([{"kind": "Pod", "metadata": {"name": "x"}}], api_client=api_client)
+
+
+def test_run_outcome_reads_the_jobset_or_job_conditions(api, monkeypatch):
+    """Succeeded/Failed from the run's own object, None while it runs or restarts, NotFound when
+    it is gone; a JobSet is asked first (404 also where its CRD is not installed)."""
+    api_client, requests, existing = api
+    jobset = JOBSET_PATH.format(ns="team-a") + "/multi"
+    job = JOB_PATH.format(ns="team-a") + "/single"
+    existing.update({jobset, job})
+    restarting = [{"type": "RestartingJobSet", "status": "True"}]
+    for path, conditions, expected in [
+            (jobset, restarting, None),
+            (jobset, [*restarting, {"type": "Completed", "status": "True"}], "Succeeded"),
+            (jobset, [{"type": "Failed", "status": "True"}], "Failed"),
+            (job, [], None),
+            (job, [{"type": "Failed", "status": "False"}], None),
+            (job, [{"type": "Complete", "status": "True"}], "Succeeded"),
+            (job, [{"type": "Failed", "status": "True"}], "Failed")]:
+        monkeypatch.setitem(CONDITIONS, path, conditions)
+        name = path.rsplit("/", 1)[-1]
+        assert client.run_outcome(name, "team-a", api_client=api_client) == expected, conditions
+    assert client.run_outcome("gone", "team-a", api_client=api_client) == "NotFound"
+    assert [r["path"] for r in requests[-2:]] == [JOBSET_PATH.format(ns="team-a") + "/gone",
+                                                  JOB_PATH.format(ns="team-a") + "/gone"]
 
 
 def test_pod_phases_and_logs(api):

@@ -1,26 +1,35 @@
-"""launch.ipynb's helpers: watching pod phases (against a stub client) and reading metrics."""
+"""launch.ipynb's helpers: watching a run (against a stub client) and reading metrics."""
 
 import json
 
 from gemmalab.k8s import launch
 
 
-def test_watch_reports_changes_until_every_pod_finished(monkeypatch):
+def test_watch_reports_changes_until_the_run_ends(monkeypatch):
     timeline = iter([{"a": "Pending", "b": "Pending"}, {"a": "Running", "b": "Pending"},
                      {"a": "Running", "b": "Pending"}, {"a": "Succeeded", "b": "Succeeded"}])
+    outcomes = iter([None, None, None, "Succeeded"])
     monkeypatch.setattr(launch.k8s_client, "pod_phases", lambda *a, **k: next(timeline))
+    monkeypatch.setattr(launch.k8s_client, "run_outcome", lambda *a, **k: next(outcomes))
     seen = []
-    final = launch.watch("run", poll_s=0, on_change=seen.append)
-    assert final == {"a": "Succeeded", "b": "Succeeded"}
+    assert launch.watch("run", poll_s=0, on_change=seen.append) == "Succeeded"
+    assert seen[-1] == {"a": "Succeeded", "b": "Succeeded"}
     assert len(seen) == 3  # the repeated state is not reported twice
 
 
-def test_watch_stops_at_the_first_failure_or_the_deadline(monkeypatch):
-    monkeypatch.setattr(launch.k8s_client, "pod_phases",
-                        lambda *a, **k: {"a": "Failed", "b": "Running"})
-    assert launch.watch("run", poll_s=0)["a"] == "Failed"
+def test_a_failed_pod_does_not_end_the_watch_while_the_run_retries(monkeypatch):
+    """A preempted host's pod fails, the failure policy replaces it: the run goes on."""
+    timeline = iter([{"a": "Failed", "b": "Running"}, {"a2": "Running", "b": "Running"},
+                     {"a2": "Failed", "b": "Failed"}])
+    outcomes = iter([None, None, "Failed"])
+    monkeypatch.setattr(launch.k8s_client, "pod_phases", lambda *a, **k: next(timeline))
+    monkeypatch.setattr(launch.k8s_client, "run_outcome", lambda *a, **k: next(outcomes))
+    seen = []
+    assert launch.watch("run", poll_s=0, on_change=seen.append) == "Failed"
+    assert len(seen) == 3
     monkeypatch.setattr(launch.k8s_client, "pod_phases", lambda *a, **k: {"a": "Pending"})
-    assert launch.watch("run", poll_s=0, timeout_s=0) == {"a": "Pending"}
+    monkeypatch.setattr(launch.k8s_client, "run_outcome", lambda *a, **k: None)
+    assert launch.watch("run", poll_s=0, timeout_s=0) == "Running"
 
 
 def test_run_metrics_reads_what_the_trainer_writes(tmp_path):
