@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import numbers
 import os
+import types
+import typing
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -206,6 +210,8 @@ class TrainConfig:
     cache_dir: str = ""  # "" = default_cache_dir().
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # before any check that compares or calls
+            _check_type(field, getattr(self, field.name))
         # Resolved here: everything downstream sees a preset and a tokenizer.
         if self.model is None:
             object.__setattr__(self, "model", _model_of_checkpoint(self.checkpoint))
@@ -297,6 +303,11 @@ class TrainConfig:
             "use e.g. 0.05",
         )
         require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "outside [0, 1]", "use e.g. 0.1")
+        require(self.weight_decay >= 0, "weight_decay", f"{self.weight_decay} is negative",
+                "use 0 (none) or e.g. 0.01")
+        for name, usual in (("adam_b1", 0.9), ("adam_b2", 0.95)):
+            value = getattr(self, name)
+            require(0.0 <= value < 1.0, name, f"{value} is outside [0, 1)", f"use e.g. {usual}")
         require(
             self.max_grad_norm > 0,
             "max_grad_norm",
@@ -399,6 +410,64 @@ class TrainConfig:
                 raise ConfigError(name, "is not a training parameter",
                                   f"use one of {sorted(known)}")
         return cls(**values)
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _check_type(field: dataclasses.Field, value: Any) -> None:
+    """``value`` fits the field's annotation (int, float, bool, str, a list of str, a dict, each
+    optionally ``| None``). papermill passes ``-p resume false`` as the string "false" and
+    ``-p max_steps 2.0`` as a float: refused here by name, not truthy or failing deep inside."""
+    annotation = _field_types()[field.name]
+    kinds = typing.get_args(annotation) if typing.get_origin(annotation) in (
+        types.UnionType, typing.Union) else (annotation,)
+    kind = next(k for k in kinds if k is not type(None))
+    kind = typing.get_origin(kind) or kind
+    wanted = {bool: "True or False", int: "a whole number", float: "a number", str: "a string",
+              list: "a list"}.get(kind, "a value")
+    name, default = field.name, field.default
+    if value is None:
+        require(type(None) in kinds, name, "cannot be None",
+                f"use {wanted}" + ("" if default is dataclasses.MISSING
+                                   else f", e.g. its default {default!r}"))
+        return
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    elif kind is float:
+        ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+              and math.isfinite(value))
+        wanted = "a finite number"
+    elif kind is str:
+        ok = isinstance(value, str)
+    elif kind is list:
+        ok = isinstance(value, list | tuple)
+    else:
+        return
+    if ok:
+        return
+    fix = f"use {wanted}"
+    if kind is list:
+        fix = f"give a list (papermill: -y '{name}: [...]')"
+    elif kind is int and isinstance(value, float) and value.is_integer():
+        fix = f"use {int(value)}"
+    elif kind is bool and isinstance(value, str):
+        fix = f"use True or False (papermill reads -p {name} False as one; other words as text)"
+    elif isinstance(value, str) and _is_number(value):
+        fix = f"use the number {value}, not text (papermill: -p, not -r)"
+    require(False, name, f"{value!r} is not {wanted}", fix)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 # papermill's cell of ``-p``/``-y`` values opens with this line (its translators' comment).

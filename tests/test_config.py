@@ -179,3 +179,40 @@ def test_an_output_dir_with_glob_wildcards_is_refused(output_dir):
     # Orbax globs under the path for a checkpoint's parts: such a run saved unreadable params.
     with pytest.raises(ConfigError, match="^output_dir: .* cannot be read back"):
         TrainConfig(output_dir=output_dir)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"resume": "false"}, "resume: 'false' is not True or False. Fix: use True or False "
+                          "(papermill reads -p resume False as one; other words as text)"),
+    ({"packing": 0}, "packing: 0 is not True or False. Fix: use True or False"),
+    ({"max_steps": 2.0}, "max_steps: 2.0 is not a whole number. Fix: use 2"),
+    ({"batch_size": 8.5}, "batch_size: 8.5 is not a whole number. Fix: use a whole number"),
+    ({"maxlen": "64"}, "maxlen: '64' is not a whole number. Fix: use the number 64, not text "
+                       "(papermill: -p, not -r)"),
+    ({"seed": None}, "seed: cannot be None. Fix: use a whole number, e.g. its default 0"),
+    ({"data_path": None}, "data_path: cannot be None. Fix: use a string, e.g. its default ''"),
+    ({"learning_rate": float("inf")}, "learning_rate: inf is not a finite number. Fix: use a "
+                                      "finite number"),
+    ({"weight_decay": float("nan")}, "weight_decay: nan is not a finite number. Fix: use a "
+                                     "finite number"),
+    ({"lora_train_tokens": "<end_of_turn>"}, "lora_train_tokens: '<end_of_turn>' is not a "
+     "list. Fix: give a list (papermill: -y 'lora_train_tokens: [...]')"),
+    ({"adam_b1": 1.0}, "adam_b1: 1.0 is outside [0, 1). Fix: use e.g. 0.9"),
+    ({"adam_b2": 1.5}, "adam_b2: 1.5 is outside [0, 1). Fix: use e.g. 0.95"),
+    ({"weight_decay": -5}, "weight_decay: -5 is negative. Fix: use 0 (none) or e.g. 0.01"),
+])
+def test_a_value_of_the_wrong_type_or_range_is_refused_by_name(values, message):
+    """papermill passes `-p resume false` as text (truthy) and `-p max_steps 2.0` as a float:
+    each field's annotation is checked before anything compares or computes with it."""
+    with pytest.raises(ConfigError) as raised:
+        TrainConfig(model="gemma3-tiny", **values)
+    assert str(raised.value) == message
+
+
+def test_values_of_the_right_kind_pass_as_json_and_numpy_give_them():
+    import numpy as np
+
+    config = TrainConfig(model="gemma3-tiny", learning_rate=1, max_steps=np.int64(3),
+                         lora_train_tokens=("<end_of_turn>",), mesh={"data": -1}, datacount=None)
+    assert (config.learning_rate, config.max_steps, config.lora_train_tokens) == (
+        1, 3, ["<end_of_turn>"])

@@ -75,7 +75,8 @@ def _env(config: ClusterConfig) -> list[client.V1EnvVar]:
     env = [
         client.V1EnvVar(name="GEMMALAB_OUTPUT_DIR", value=config.output_dir),
         client.V1EnvVar(name="GEMMALAB_CACHE_DIR", value=CACHE_MOUNT),
-        # Fail at start-up if the accelerator is not visible instead of training on the CPU.
+        # The accelerator first: at start-up the notebook stops if JAX's backend is another
+        # (distributed.require_requested_accelerator; JAX itself skips a missing cuda).
         client.V1EnvVar(name="JAX_PLATFORMS", value="cuda,cpu" if config.is_gpu else "tpu,cpu"),
         client.V1EnvVar(name="PYTHONUNBUFFERED", value="1"),
         client.V1EnvVar(name="TF_CPP_MIN_LOG_LEVEL", value="3"),

@@ -1,4 +1,5 @@
-"""Join a multi-process JAX run when the notebook was launched as one process of it.
+"""Join a multi-process JAX run when the notebook was launched as one process of it, and make
+sure the process trains on the accelerator it was launched for.
 
 Called explicitly at the top of the notebooks (never at import). On one host it does nothing.
 """
@@ -9,6 +10,11 @@ import os
 
 import jax
 
+from gemmalab.errors import ConfigError
+
+# JAX_PLATFORMS' names for an accelerator, and the platform jax.default_backend() reports.
+ACCELERATOR_PLATFORMS = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
+
 
 def initialize() -> bool:
     """``jax.distributed.initialize`` when this process is one of several; True if it joined.
@@ -18,6 +24,12 @@ def initialize() -> bool:
     - ``TPU_WORKER_HOSTNAMES`` with several hosts, or ``MEGASCALE_NUM_SLICES`` > 1: a multi-host
       or multislice TPU JobSet on GKE; JAX's own cluster detection fills in the rest.
     """
+    joined = _join()
+    require_requested_accelerator()
+    return joined
+
+
+def _join() -> bool:
     if jax.distributed.is_initialized():
         return True
     env = os.environ
@@ -31,3 +43,17 @@ def initialize() -> bool:
         jax.distributed.initialize()
         return True
     return False
+
+
+def require_requested_accelerator() -> None:
+    """Refuse to go on when ``JAX_PLATFORMS`` names an accelerator first (the GKE manifests set
+    ``cuda,cpu`` or ``tpu,cpu``) and JAX's default backend is another: JAX skips ``cuda``
+    without a word when it sees no NVIDIA device, and the run would train on the CPU."""
+    requested = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    expected = ACCELERATOR_PLATFORMS.get(requested)
+    found = jax.default_backend() if expected else None
+    if expected and found != expected:
+        raise ConfigError("JAX_PLATFORMS", f"asks for {requested} first, but JAX found no "
+                          f"{requested} device and would run on the {found}",
+                          "check that the pod got its accelerators (its resource limits, the "
+                          "node's drivers), or set JAX_PLATFORMS=cpu to run on the CPU")

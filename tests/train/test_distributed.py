@@ -1,6 +1,7 @@
 import jax
 import pytest
 
+from gemmalab.errors import ConfigError
 from gemmalab.train import distributed
 
 
@@ -10,7 +11,7 @@ def calls(monkeypatch):
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: recorded.append(kw))
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-                 "TPU_WORKER_HOSTNAMES", "MEGASCALE_NUM_SLICES"):
+                 "TPU_WORKER_HOSTNAMES", "MEGASCALE_NUM_SLICES", "JAX_PLATFORMS"):
         monkeypatch.delenv(name, raising=False)
     return recorded
 
@@ -34,6 +35,23 @@ def test_explicit_coordinator(calls, monkeypatch):
 def test_tpu_jobsets_use_jax_cluster_detection(calls, monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     assert distributed.initialize() is True and calls == [{}]
+
+
+@pytest.mark.parametrize("platforms", ["cuda,cpu", "tpu,cpu", "gpu"])
+def test_a_pod_without_its_accelerator_stops_instead_of_training_on_the_cpu(
+        calls, monkeypatch, platforms):
+    """JAX skips cuda silently where it sees no NVIDIA device; these tests run on the CPU."""
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    requested = platforms.split(",")[0]
+    with pytest.raises(ConfigError, match=rf"^JAX_PLATFORMS: asks for {requested} first, but "
+                       rf"JAX found no {requested} device and would run on the cpu\. Fix: "):
+        distributed.initialize()
+
+
+@pytest.mark.parametrize("platforms", ["cpu", "", "cpu,cuda"])
+def test_a_cpu_run_goes_on(calls, monkeypatch, platforms):
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    assert distributed.initialize() is False
 
 
 def test_profiler_server_only_when_the_pod_asks(monkeypatch):
