@@ -52,11 +52,18 @@ class TrainingFieldsAreKnown(logging.Filter):
 def run_papermill(argv: list[str], *, shutdown_kernel: str, prog_name: str) -> None:
     """papermill's command line on ``argv``; the kernel shut down ``immediate`` or ``graceful``."""
     from papermill import cli
+    from papermill.exceptions import PapermillExecutionError
     from papermill.execute import execute_notebook
 
     logging.getLogger("papermill").addFilter(TrainingFieldsAreKnown())
     cli.execute_notebook = functools.partial(execute_notebook, shutdown_kernel=shutdown_kernel)
-    cli.papermill.main(args=argv, prog_name=prog_name)
+    try:
+        cli.papermill.main(args=argv, prog_name=prog_name)
+    except PapermillExecutionError as error:
+        # The failing cell's own traceback (one line for a ConfigError), without papermill's
+        # frames above it; the output notebook has the same.
+        sys.stderr.write(f"{error}\n")
+        raise SystemExit(1) from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ about training parameters."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -57,3 +58,18 @@ def test_the_kernel_ends_without_its_teardown_and_parameters_still_apply(tmp_pat
     # papermill notes both names the parameters cell lacks; headless only the one that is not a
     # training parameter (those notebooks read every TrainConfig field from their variables).
     assert warned == {"graceful": ["answr", "learning_rate"], "immediate": ["answr"]}
+
+
+def test_a_failing_cell_is_reported_without_papermills_own_traceback(tmp_path):
+    """A ConfigError in a cell is one line in the notebook; headless prints that, not the ~25
+    lines of click and papermill frames the papermill command prints above it."""
+    notebooks = Path(__file__).resolve().parent.parent / "notebooks"
+    done = subprocess.run([sys.executable, "-m", "gemmalab.headless",
+                           str(notebooks / "sample_compare.ipynb"), str(tmp_path / "out.ipynb"),
+                           "-p", "max_new_token", "3", "--no-progress-bar"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" not in done.stderr
+    assert done.stderr.rstrip().splitlines()[-1] == (
+        "ConfigError: max_new_token: was passed to papermill but is not one of this notebook's "
+        "parameters. Fix: did you mean max_new_tokens?")
