@@ -281,6 +281,13 @@ class TrainConfig:
             f"{self.eval_fraction} is outside (0, 1)",
             "hold out a fraction such as 0.02",
         )
+        if self.datacount is not None:  # (data with too few documents: refused once read)
+            period = eval_period(self.eval_fraction)
+            require(self.datacount >= period, "datacount",
+                    f"{self.datacount} stories hold none out for evaluation (every "
+                    f"{period}th is, eval_fraction={self.eval_fraction})",
+                    f"use datacount >= {period}, or eval_fraction >= "
+                    f"{1 / max(self.datacount, 2):.3g}")
         require(self.num_epochs >= 1, "num_epochs", f"{self.num_epochs} < 1", "use num_epochs >= 1")
         if self.max_steps is not None:
             require(
@@ -410,6 +417,11 @@ class TrainConfig:
                 raise ConfigError(name, "is not a training parameter",
                                   f"use one of {sorted(known)}")
         return cls(**values)
+
+
+def eval_period(eval_fraction: float) -> int:
+    """Every how many documents one is held out for evaluation (``SplitRule``)."""
+    return max(2, round(1 / eval_fraction))
 
 
 @functools.cache

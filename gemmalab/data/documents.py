@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gemmalab import storage
-from gemmalab.config import EMBEDDED_INSTRUCTIONS, EMBEDDED_PREFERENCES
+from gemmalab.config import EMBEDDED_INSTRUCTIONS, EMBEDDED_PREFERENCES, eval_period
 from gemmalab.data import parquet, records
 from gemmalab.data.chat import Conversation, PreferencePair
 from gemmalab.data.corpus import SEPARATOR
@@ -205,7 +205,7 @@ class SplitRule:
 
     @property
     def eval_period(self) -> int:
-        return max(2, round(1 / self.eval_fraction))
+        return eval_period(self.eval_fraction)
 
     def evals_before(self, i: int) -> int:
         """How many of documents ``0 .. i - 1`` are held out."""

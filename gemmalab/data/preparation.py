@@ -55,8 +55,19 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     cache = token_cache.load_or_build_token_cache(
         corpus, info, rule=rule, datacount=config.datacount, cache_dir=cache_dir,
         workers=config.tokenize_workers, train_on_prompt=config.train_on_prompt)
+    _require_held_out_documents(cache.meta, rule)
     return PreparedData(corpus=corpus, tokenizer=tokenizer, tokenizer_info=info, cache=cache,
                         model_config=model_config)
+
+
+def _require_held_out_documents(meta: dict, rule: SplitRule) -> None:
+    """Every evaluation (the perplexities, the summary's eval loss) would read NaN for the whole
+    run: refused before any model work."""
+    if meta["eval_docs"] == 0:
+        read = meta["stories_read"]
+        raise ConfigError("eval_fraction", f"holds out none of the {read} documents read (every "
+                          f"{rule.eval_period}th is held out)",
+                          f"use eval_fraction >= {1 / max(read, 2):.3g}, or more data")
 
 
 def _load_tokenizer_everywhere(config: TrainConfig, corpus: Corpus, rule: SplitRule

@@ -514,3 +514,18 @@ def test_grain_worker_processes_hand_over_the_same_batches_through_shared_memory
         np.testing.assert_array_equal(next(resumed)["targets"], expected[4]["targets"])
     finally:
         resumed.close()
+
+
+def test_data_that_holds_nothing_out_is_refused_before_any_model_work(tmp_path, cache_dir,
+                                                                        stories_file):
+    """Every evaluation would read NaN for the whole run (400 stories, one in 1,000 held out)."""
+    from gemmalab.config import TrainConfig
+    from gemmalab.data.preparation import prepare_data
+
+    config = TrainConfig(model="gemma3-tiny", data_path=str(stories_file), eval_fraction=0.001,
+                         tokenizer_vocab_size=600, cache_dir=str(cache_dir), tokenize_workers=1,
+                         output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^eval_fraction: holds out none of the 400 documents "
+                       r"read \(every 1000th is held out\)\. Fix: use eval_fraction >= 0\.0025, "
+                       r"or more data$"):
+        prepare_data(config)
