@@ -20,7 +20,8 @@ CONFIG_FILE = "train_config.json"
 # Fields a resumed run must share with the run that wrote the checkpoints: they decide the
 # state's shapes or which rows come next. (The mesh may change: Orbax restores into any
 # sharding. The schedule may change, e.g. more max_steps to train on.)
-RESUME_FIELDS = ("model", "maxlen", "batch_size", "packing", "seed", "data_path", "datacount",
+RESUME_FIELDS = ("model", "num_layers", "maxlen", "batch_size", "packing", "seed", "data_path",
+                 "datacount",
                  "embedded_stories", "eval_fraction", "max_eval_stories", "tokenizer",
                  "tokenizer_vocab_size", "param_dtype", "checkpoint", "lora_rank", "lora_alpha",
                  "lora_modules", "lora_train_tokens", "train_on_prompt", "skip_bad_records",
@@ -63,23 +64,33 @@ class TrainCheckpoints:
 
     def restore_latest(self, abstract_state: Any, iterator: Any) -> tuple[int, Any] | None:
         """``(step, state)`` of the newest readable checkpoint, the iterator moved to its
-        position; None if there is none."""
+        position; None if there is none. Checkpoints of which none loads are refused: starting
+        over would overwrite the run they hold."""
         import warnings
 
         import grain.checkpoint
         import orbax.checkpoint as ocp
 
-        for step in reversed(self.steps()):
+        steps = self.steps()
+        first_error = ""
+        for step in reversed(steps):
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state),
                     data=grain.checkpoint.CheckpointRestore(iterator)))
             except Exception as error:  # unreadable: fall back to the one before
-                warnings.warn(f"checkpoint {self.directory}/{step} does not load "
-                              f"({type(error).__name__}: {str(error)[:200]}); trying an older "
-                              "one", stacklevel=2)
+                reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                first_error = first_error or reason
+                warnings.warn(f"checkpoint {self.directory}/{step} does not load ({reason}); "
+                              "trying an older one", stacklevel=2)
                 continue
             return step, restored.state
+        if steps:
+            raise ConfigError("output_dir", f"none of the {len(steps)} checkpoints in "
+                              f"{self.directory} loads into this run's state (step "
+                              f"{steps[-1]}: {first_error})",
+                              "resume with the settings of the run that wrote them, or use a "
+                              "new output_dir (delete its checkpoints/ to start over there)")
         return None
 
     def close(self) -> None:

@@ -351,7 +351,8 @@ class Experiment:
 
     def _summary(self, initial_eval: dict, final_eval: dict, train_seconds: float
                  ) -> dict[str, Any]:
-        steady = self.history[1:] or self.history  # step 1 includes compilation
+        # Not the first step of the run, nor that of a resumption (each pays for warming up).
+        steady = [r for r in self.history[1:] if not r.get(metrics.ATTEMPT_START)] or self.history
         steady_time = sum(r["step_time_s"] for r in steady)
         useful = sum(r["useful_tokens"] for r in steady)
         tokens = sum(r["tokens"] for r in steady)

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from gemmalab.train.tensorboard_log import TensorBoardLog
 
 
+# Marks the first row of each attempt (a run, or its resumption after a preemption): the step
+# that warms up (compiled programs loaded, buffers first allocated) is no steady figure.
+ATTEMPT_START = "attempt_start"
+
+
 class MetricsSink:
     """``metrics.jsonl`` and ``eval.jsonl`` in ``output_dir``; only process 0 writes.
 
@@ -116,6 +121,7 @@ class StepLog:
                          disable=not show)
         self._pending: tuple | None = None
         self._last_done = time.perf_counter()
+        self._first = True  # this attempt's first step: it pays for warming up (ATTEMPT_START)
 
     def step(self, step: int, metrics: Any, data_wait: float, batch_digest: int) -> None:
         self.settle()
@@ -137,6 +143,8 @@ class StepLog:
                   "batch_crc32": digest, "tokens_per_s": self._tokens / step_time,
                   "useful_tokens_per_s": values["useful_tokens"] / step_time,
                   "time": time.time()}
+        if self._first:
+            record[ATTEMPT_START], self._first = True, False
         if self._flops:
             record["model_flops_per_s"] = self._flops / step_time
             if self._peak:

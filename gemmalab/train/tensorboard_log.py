@@ -35,7 +35,7 @@ LOGDIR_NAME = "tensorboard"
 EVENT_FILE_PREFIX = "events.out.tfevents."
 # Fields of a metrics.jsonl row that are bookkeeping rather than curves (the step is the x-axis;
 # epoch is the step over steps_per_epoch; tokens per step is constant).
-NOT_CURVES = frozenset({"step", "epoch", "time", "batch_crc32", "tokens"})
+NOT_CURVES = frozenset({"step", "epoch", "time", "batch_crc32", "tokens", "attempt_start"})
 # Throughput and time figures go under perf/, the objective's under train/.
 PERFORMANCE = frozenset({"tokens_per_s", "useful_tokens_per_s", "model_flops_per_s", "mfu",
                          "cpu_mfu", "step_time_s", "data_wait_s"})

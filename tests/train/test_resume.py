@@ -125,6 +125,11 @@ def test_a_crashed_run_resumes_exactly(uninterrupted, cache_dir, stories_file):
     assert summary["steps"] == 12 and summary["final_eval_loss"] == whole.summary[
         "final_eval_loss"]
     assert second.checkpoints.steps() == [4, 8, 12]
+    # The first step of each attempt (1, and 5 after resuming) warms up: no steady figure.
+    rows = _metric_rows(output)
+    assert [r["step"] for r in rows if r.get("attempt_start")] == [1, 5]
+    steady = [r["step_time_s"] for r in rows if r["step"] not in (1, 5)]
+    assert summary["mean_step_time_s"] == pytest.approx(sum(steady) / len(steady))
 
 
 @pytest.mark.slow
@@ -210,6 +215,32 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(uninterrup
     assert any(f"{newest} does not load" in str(w.message) for w in caught)
 
 
+@pytest.mark.slow
+def test_checkpoints_of_which_none_loads_are_refused_not_overwritten(uninterrupted, tmp_path):
+    """Starting over would overwrite the run the checkpoints hold (e.g. another model's)."""
+    done, whole = uninterrupted
+    copy = tmp_path / "copy"
+    shutil.copytree(done / "whole" / "checkpoints", copy / "checkpoints")
+    for path in (copy / "checkpoints").rglob("*"):
+        if path.is_file() and path.stat().st_size > 64 and "state" in path.parts:
+            path.write_bytes(path.read_bytes()[:16])
+    saved = checkpoints.TrainCheckpoints(str(copy), keep=3)
+    abstract, fresh_iterator = _restore_target(whole, tmp_path)
+    with warnings.catch_warnings(), pytest.raises(ConfigError, match=(
+            r"^output_dir: none of the 3 checkpoints in .* loads into this run's state \(step "
+            r"\d+: .*\)\. Fix: resume with the settings of the run that wrote them, or use a "
+            r"new output_dir")):
+        warnings.simplefilter("ignore")
+        saved.restore_latest(abstract, fresh_iterator)
+
+
+def test_a_resume_at_another_depth_is_refused_naming_num_layers():
+    with pytest.raises(ConfigError, match=r"^num_layers: 1 differs from 2 of the run "
+                       r"checkpointed in runs/x\. Fix: use num_layers=2 to resume it"):
+        checkpoints.check_resumable({"num_layers": 1, "model": "gemma3-tiny"},
+                                    {"num_layers": 2, "model": "gemma3-tiny"}, "runs/x")
+
+
 # --- real processes: papermill runs of train.ipynb killed with SIGKILL, then SIGTERM --------
 
 shutil_usage = namedtuple("usage", "total used free")
@@ -235,10 +266,22 @@ def _rows(output_dir):
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _start(argv, runner):
+def _start(argv, runner, started):
     command = [sys.executable, "-m", runner, *argv]
-    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    started.append(subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True))
+    return started[-1]
+
+
+@pytest.fixture
+def started():
+    """The runs a test started; whatever is left of them when it ends (a failed test leaves a
+    stopped kernel) is killed."""
+    processes = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            _kill_tree(process)
 
 
 def _checkpoint_steps(output_dir):
@@ -311,11 +354,29 @@ def _wait_for_training(process, kernel, output_dir, rows, timeout=300):
         time.sleep(0.01)
 
 
+def _stop(kernel, timeout=30):
+    """SIGSTOP, then wait until every thread has stopped: the stop takes effect as each thread
+    next runs, and a signal sent before then is delivered at once (seen on a loaded host)."""
+    kernel.suspend()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            states = [Path(task, "stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for task in Path(f"/proc/{kernel.pid}/task").iterdir()]
+        except OSError:  # no /proc (or a thread just ended): give it a moment
+            time.sleep(0.5)
+            return
+        if all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"the kernel did not stop: {states}"
+        time.sleep(0.005)
+
+
 def _sigterm_while_stopped(entry, kernel, timeout=60):
     """SIGTERM to the container's entry point while the kernel is stopped (SIGSTOP), which it
     forwards; the kernel goes on once the signal is pending. However fast its steps are, the
     kernel hears it within a step of where it was stopped: no race against the run's end."""
-    kernel.suspend()
+    _stop(kernel)
     assert _sigterm_state(kernel.pid, "SigCgt") is not False, (
         "the run finished training before the test could stop it (a stall of ~24 steps)")
     os.kill(entry.pid, signal.SIGTERM)
@@ -330,17 +391,17 @@ def _sigterm_while_stopped(entry, kernel, timeout=60):
 
 
 @pytest.mark.slow
-def test_papermill_runs_survive_sigkill_and_sigterm(tmp_path, cache_dir, stories_file):
+def test_papermill_runs_survive_sigkill_and_sigterm(tmp_path, cache_dir, stories_file, started):
     """SIGKILL to papermill and its kernel between checkpoints, then SIGTERM to the container
     entry point (as GKE sends it), then a last start: the same 32 per-step losses as one
     uninterrupted run, nothing lost from metrics.jsonl."""
     output_dir = tmp_path / "run"
     argv = _papermill_command(output_dir, cache_dir, stories_file, "out")
 
-    killed = _start(argv, "papermill")
+    killed = _start(argv, "papermill", started)
     kernel = _kernel(killed)
     _wait_for_rows(killed, output_dir, 12, checkpoint=8)  # past the checkpoint at step 8
-    kernel.suspend()  # no further step: what it wrote is what the next run finds
+    _stop(kernel)  # no further step: what it wrote is what the next run finds
     reached = _rows(output_dir)
     _kill_tree(killed)
     # A quick host may have finished a later checkpoint before the kill: the newest complete one
@@ -348,7 +409,7 @@ def test_papermill_runs_survive_sigkill_and_sigterm(tmp_path, cache_dir, stories
     resume_step = max(_checkpoint_steps(output_dir))
     assert 12 <= reached < 32 and 8 <= resume_step <= reached
 
-    stopped = _start(argv, "gemmalab.k8s.run_notebook")
+    stopped = _start(argv, "gemmalab.k8s.run_notebook", started)
     kernel = _kernel(stopped)
     # SIGTERM as soon as the resumed run trains: the rest of its steps are the test's slack.
     _wait_for_training(stopped, kernel, output_dir, reached + 4)
@@ -363,7 +424,7 @@ def test_papermill_runs_survive_sigkill_and_sigterm(tmp_path, cache_dir, stories
     assert resume_step < stop_step < 32, (reached, resume_step, stop_step)
     assert (output_dir / "checkpoints" / str(stop_step)).is_dir()
 
-    finished = _start(argv, "papermill")
+    finished = _start(argv, "papermill", started)
     log = finished.communicate(timeout=600)[0]
     assert finished.returncode == 0, log[-3000:]
     assert f"resumed from step {stop_step}" in (tmp_path / "out.ipynb").read_text()
