@@ -206,3 +206,12 @@ def test_plan_notebook_compiles_for_a_tpu_topology(tmp_path):
     assert document["method"] == "compiled" and document["fits"] is True
     assert document["breakdown_bytes"]["arguments"] > 0 and document["flops_per_step"] > 0
     assert document["analytic"]["method"] == "analytic"
+
+
+def test_every_cell_has_an_id():
+    """nbformat 4.5 requires them; papermill warns (MissingIDFieldWarning) for each one missing."""
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        notebook = json.loads(path.read_text())
+        assert (notebook["nbformat"], notebook["nbformat_minor"]) >= (4, 5), path.name
+        missing = [i for i, cell in enumerate(notebook["cells"]) if not cell.get("id")]
+        assert not missing, f"{path.name}: cells {missing} have no id"
