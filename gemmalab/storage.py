@@ -50,6 +50,23 @@ def _gcs_path(path: str | os.PathLike):
     return epath.Path(path)
 
 
+def require_writable_directory(parameter: str, path: str | os.PathLike) -> Path:
+    """``path`` (local) exists or can be created, and this process can write in it; else a
+    one-line error naming ``parameter`` (a file in the way, no permission, a read-only disk)."""
+    import tempfile
+
+    directory = Path(path).expanduser().absolute()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".gemmalab-write-check"):
+            pass
+    except OSError as error:
+        raise ConfigError(parameter, f"cannot write to {path} "
+                          f"({type(error).__name__}: {error.strerror or error})",
+                          "choose a directory this process can create and write") from None
+    return directory
+
+
 def open_binary(path: str | os.PathLike) -> io.BufferedIOBase:
     """Open a local or gs:// file for streaming, seekable reads (a standard binary stream:
     what pyarrow reads Parquet through)."""

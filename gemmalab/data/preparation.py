@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from gemmalab import storage
 from gemmalab.config import TrainConfig
 from gemmalab.data import documents, grain_batches, packing, token_cache
 from gemmalab.data import tokenizer as tokenizers
@@ -40,6 +41,7 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     """
     presets.check_num_layers(config.model, config.num_layers)  # before the tokenizer's work
     cache_dir = config.resolved_cache_dir
+    storage.require_writable_directory("cache_dir", cache_dir)
     corpus = documents.resolve_corpus(config.data_path, cache_dir=cache_dir,
                                       embedded_stories=config.embedded_stories, seed=config.seed,
                                       skip_bad_records=config.skip_bad_records,

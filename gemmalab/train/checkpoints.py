@@ -145,21 +145,10 @@ def require_writable_room(output_dir: str, needed_bytes: int) -> None:
     Checked before any expensive work, so a run never trains for hours and then fails to save.
     """
     import shutil
-    import tempfile
-    from pathlib import Path
-
 
     if storage.is_gcs(output_dir):
         return  # credentials are checked separately; buckets have no free-space figure
-    directory = Path(absolute_path(output_dir))
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".gemmalab-write-check"):
-            pass
-    except OSError as error:
-        raise ConfigError("output_dir", f"cannot write to {output_dir} "
-                          f"({type(error).__name__}: {error.strerror or error})",
-                          "choose a directory this process can create and write") from None
+    directory = storage.require_writable_directory("output_dir", absolute_path(output_dir))
     free = shutil.disk_usage(directory).free
     if free < needed_bytes:
         raise ConfigError("output_dir", f"{output_dir} has {free / 2**30:.2f} GiB free but a "

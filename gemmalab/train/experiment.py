@@ -80,6 +80,7 @@ class Experiment:
     def prepare(cls, config: TrainConfig) -> Experiment:
         """Validate everything, build data, tokenizer, model and state; compile nothing yet."""
         startup = metrics.Startup()
+        storage.require_writable_directory("cache_dir", config.resolved_cache_dir)
         # First, so every compile of the run (init, steps, sampler) is read from or written to it.
         compile_cache.enable(config.resolved_cache_dir)
         device_mesh = mesh.make_mesh(config.mesh, num_slices=config.num_slices)

@@ -529,3 +529,16 @@ def test_data_that_holds_nothing_out_is_refused_before_any_model_work(tmp_path, 
                        r"read \(every 1000th is held out\)\. Fix: use eval_fraction >= 0\.0025, "
                        r"or more data$"):
         prepare_data(config)
+
+
+def test_a_cache_dir_that_cannot_be_written_is_refused_by_name(tmp_path):
+    from gemmalab.config import TrainConfig
+    from gemmalab.data.preparation import prepare_data
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    config = TrainConfig(model="gemma3-tiny", cache_dir=str(blocker / "cache"),
+                         output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^cache_dir: cannot write to .*a-file/cache "
+                       r"\((FileExistsError|NotADirectoryError): .*\)\. Fix: choose a directory"):
+        prepare_data(config)
