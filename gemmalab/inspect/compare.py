@@ -19,7 +19,7 @@ from gemmalab.data import chat, documents, packing
 from gemmalab.data.chat import Conversation
 from gemmalab.data.fact_matching import Reply, judge
 from gemmalab.data.preparation import PreparedData, prepare_data
-from gemmalab.errors import ConfigError
+from gemmalab.errors import ConfigError, require
 from gemmalab.inspect import reports
 from gemmalab.inspect.sweep import run_dirs
 from gemmalab.inspect.task_metric import score_summary
@@ -150,7 +150,7 @@ def _parent_run(checkpoint: str) -> tuple[str, TrainConfig] | None:
     return output_dir, TrainConfig.from_dict(json.loads(storage.read_bytes(path))["params"])
 
 
-def samples_table(run: Run, contenders: list[Contender], prompts: list[str], *,
+def samples_table(run: Run, contenders: list[Contender], prompts: str | list[str], *,
                   max_new_tokens: int, temperature: float, top_p: float, seed: int,
                   chat: bool = False) -> reports.SamplesView:
     """Continuations of every prompt by every contender, greedy and top-p, side by side.
@@ -159,6 +159,10 @@ def samples_table(run: Run, contenders: list[Contender], prompts: list[str], *,
     """
     import pandas as pd
 
+    prompts = sampling.checked_prompts(prompts, max_new_tokens=max_new_tokens,
+                                       temperature=temperature, top_p=top_p)
+    require(len(set(prompts)) == len(prompts), "prompts", "repeats a prompt",
+            "give each prompt once (the table has a row per prompt)")
     methods = {"greedy": {"temperature": 0.0},
                f"top-p {top_p} T={temperature}": {"temperature": temperature, "top_p": top_p}}
     compute = jnp.dtype(run.config.compute_dtype)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from gemmalab import gemma_lib
+from gemmalab.errors import require
 from gemmalab.model import presets
 
 SAMPLER_CACHE_LENGTH = 1024
@@ -64,6 +65,24 @@ def sampling_method(temperature: float, top_p: float) -> Any:
     return gm.text.TopPSampling(p=top_p, temperature=temperature)
 
 
+def checked_prompts(prompts: str | list[str], *, max_new_tokens: int, temperature: float = 0.0,
+                    top_p: float = 1.0) -> list[str]:
+    """The prompts as a list (a string is one prompt, not its characters), with the sampling
+    settings checked: one line naming the parameter, before any compile."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    require(bool(prompts) and all(isinstance(p, str) and p for p in prompts), "prompts",
+            f"{prompts!r} is not a list of prompts", "give non-empty strings, e.g. ['Once upon']")
+    require(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool)
+            and max_new_tokens >= 1, "max_new_tokens",
+            f"{max_new_tokens!r} is not a positive whole number", "use e.g. 48")
+    require(isinstance(temperature, int | float) and math.isfinite(temperature)
+            and temperature >= 0, "temperature", f"{temperature!r} is not a number >= 0",
+            "use 0 (greedy) or e.g. 0.8")
+    require(isinstance(top_p, int | float) and 0 < top_p <= 1, "top_p",
+            f"{top_p!r} is outside (0, 1]", "use e.g. 0.9 (1.0 keeps every token)")
+    return prompts
+
+
 def continue_prompts(model: Any, params: Any, tokenizer: Any, prompts: list[str], *,
                      max_new_tokens: int = 64, compute_dtype: Any = None,
                      temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
@@ -73,6 +92,8 @@ def continue_prompts(model: Any, params: Any, tokenizer: Any, prompts: list[str]
     Each text is exactly what follows its prompt, so ``prompt + text`` reads right
     (SentencePiece drops the leading space of a decoded word; it is restored here).
     """
+    prompts = checked_prompts(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p)
     gm = gemma_lib.gm()
     if compute_dtype is not None:
         params = presets.cast_params(params, compute_dtype)

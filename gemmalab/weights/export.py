@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,21 @@ def export_run(run_dir: str | Path, fmt: str, out_dir: str | Path, *,
         return [save_gemma_params(params, out_dir)]
     return hf_layout.export_hf(params, model_config, tokenizer or run_tokenizer(run), out_dir,
                      dtype=dtype or "bfloat16", max_shard_bytes=max_shard_bytes)
+
+
+def chosen_formats(formats: str | Sequence[str], run_dir: str | Path, *,
+                   log: Callable[[str], None] = print) -> list[str]:
+    """export.ipynb's ``formats`` for this run: one name or a list, each checked; ``peft`` left
+    out (said through ``log``) for a run without LoRA adapters."""
+    names = [formats] if isinstance(formats, str) else list(formats)
+    unknown = [name for name in names if name not in FORMATS]
+    if unknown or not names:
+        raise ConfigError("formats", f"{formats!r} names {unknown or 'no format'}",
+                          f"use some of {list(FORMATS)}, e.g. -y 'formats: [hf, peft]'")
+    if "peft" in names and not run_is_lora(run_dir):
+        log(f"peft skipped: {run_dir} trained every weight (lora_rank 0), it has no adapters")
+        names.remove("peft")
+    return names
 
 
 def run_is_lora(run_dir: str | Path) -> bool:

@@ -121,3 +121,11 @@ def test_a_dpo_runs_perplexity_is_of_its_chosen_replies_alone():
     [batch] = chosen_replies_only([row])
     np.testing.assert_array_equal(batch["loss_mask"], [[0, 1, 1, 0, 0, 0, 1, 0, 0, 0]])
     assert batch["loss_mask"].dtype == np.float32 and batch["tokens"] is segments
+
+
+def test_a_repeated_prompt_is_refused_before_any_sampling():
+    """The table has a row per prompt: a repeat failed in pandas after every sample was made."""
+    with pytest.raises(ConfigError, match=r"^prompts: repeats a prompt\. Fix: give each prompt "
+                       r"once"):
+        compare.samples_table(None, [], ["Hi", "Hi"], max_new_tokens=8, temperature=0.8,
+                              top_p=0.9, seed=0)

@@ -124,3 +124,22 @@ def test_samples_view_renders_text_and_carries_records():
     assert "<table" in data["text/html"] and "pre-wrap" in data["text/html"]
     assert [r["label"] for r in metadata[reports.SAMPLES_METADATA_KEY]] == [
         "before training", "after training"]
+
+
+def test_prompts_and_sampling_settings_are_checked_by_name():
+    from gemmalab.errors import ConfigError
+
+    assert sampling.checked_prompts("Once upon", max_new_tokens=8) == ["Once upon"]
+    assert sampling.checked_prompts(("a", "b"), max_new_tokens=8, temperature=0.8,
+                                    top_p=1) == ["a", "b"]
+    for values, message in [
+            (dict(prompts=[]), r"prompts: \[\] is not a list of prompts"),
+            (dict(prompts=["a", ""]), r"prompts: \['a', ''\] is not a list of prompts"),
+            (dict(max_new_tokens=0), "max_new_tokens: 0 is not a positive whole number"),
+            (dict(max_new_tokens=4.0), "max_new_tokens: 4.0 is not a positive whole number"),
+            (dict(temperature=-1), "temperature: -1 is not a number >= 0"),
+            (dict(top_p=5), r"top_p: 5 is outside \(0, 1\]"),
+            (dict(top_p=0), r"top_p: 0 is outside \(0, 1\]")]:
+        arguments = {"prompts": ["a"], "max_new_tokens": 8, **values}
+        with pytest.raises(ConfigError, match="^" + message + r"\. Fix: "):
+            sampling.checked_prompts(arguments.pop("prompts"), **arguments)

@@ -396,3 +396,21 @@ def test_a_non_empty_out_dir_is_refused(tiny, adapters, sp_model, tmp_path):
         peft_adapters.export_peft(adapters, config, tmp_path / "new", rank=RANK + 1, alpha=ALPHA,
                                   base_model_name_or_path="")
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_the_notebooks_formats_are_checked_and_peft_is_said_to_be_skipped(tmp_path):
+    full, lora_run = tmp_path / "full", tmp_path / "lora"
+    for run, rank in ((full, 0), (lora_run, 8)):
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({"params": {"lora_rank": rank}}))
+        (run / "params").mkdir()
+    said = []
+    assert export.chosen_formats(["hf", "gemma", "peft"], full, log=said.append) == [
+        "hf", "gemma"]
+    assert said == [f"peft skipped: {full} trained every weight (lora_rank 0), it has no "
+                    "adapters"]
+    assert export.chosen_formats("peft", lora_run, log=said.append) == ["peft"]  # one name
+    with pytest.raises(ConfigError, match=r"^formats: \['hf', 'hff'\] names \['hff'\]\. Fix: "):
+        export.chosen_formats(["hf", "hff"], full)
+    with pytest.raises(ConfigError, match=r"^formats: \[\] names no format"):
+        export.chosen_formats([], full)
