@@ -156,6 +156,17 @@ def require_writable_room(output_dir: str, needed_bytes: int) -> None:
                           "free disk space or choose output_dir on a larger disk (or gs://)")
 
 
+def require_steps_ahead(saved: TrainCheckpoints, total_steps: int, config: TrainConfig) -> None:
+    """A resumed run must not be told to stop before where it already is: it would train no
+    step and save the further state under a smaller step's name."""
+    done = max(saved.steps(), default=0) if config.resume else 0
+    if done > total_steps:
+        raise ConfigError("max_steps" if config.max_steps else "num_epochs",
+                          f"the run in {config.output_dir} has done {done} steps, more than "
+                          f"the {total_steps} this config trains",
+                          f"use max_steps >= {done} to continue it, or a new output_dir")
+
+
 def resume_values(config: TrainConfig) -> dict[str, Any]:
     """What a resumed run must match (``check_resumable``): the config and the process count."""
     import jax

@@ -126,6 +126,7 @@ class Experiment:
                                                 b1=config.adam_b1, b2=config.adam_b2,
                                                 max_grad_norm=config.max_grad_norm)
         saved = checkpoints.TrainCheckpoints(config.output_dir, keep=config.keep_checkpoints)
+        checkpoints.require_steps_ahead(saved, data.total_steps, config)
         weights = restore_or_init(config, base_model, optimizer, device_mesh, checkpoint, saved,
                                   data.train_iterator, previous=previous,
                                   token_rows=len(token_ids))

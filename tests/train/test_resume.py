@@ -141,6 +141,10 @@ def test_a_finished_run_resumes_to_its_end(uninterrupted, cache_dir, stories_fil
     for a, b in zip(jax.tree.leaves(again.weights.state.params),
                     jax.tree.leaves(whole.weights.state.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Told to stop before where it is, it would save step 12's state as a checkpoint named 8.
+    with pytest.raises(ConfigError, match=r"^max_steps: the run in .*whole has done 12 steps, "
+                       r"more than the 8 this config trains\. Fix: use max_steps >= 12"):
+        Experiment.prepare(_config(tmp_path, cache_dir, stories_file, "whole", max_steps=8))
 
 
 @pytest.mark.slow
