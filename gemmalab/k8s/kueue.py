@@ -26,6 +26,7 @@ PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
 FLEX_START_CLASS = "queued-provisioning.gke.io"
 FLEX_START_TAINT = "cloud.google.com/gke-queued"
 FLEX_START_CHECK = "flex-start"
+PROVISIONED_NODE_LABEL = "autoscaling.gke.io/provisioning-request"  # on the nodes GKE provisions
 
 
 def flavor_name(config: ClusterConfig, topology: str) -> str:
@@ -95,10 +96,15 @@ def flex_start_objects() -> list[dict[str, Any]]:
                       "parameters": {"apiGroup": "kueue.x-k8s.io",
                                      "kind": "ProvisioningRequestConfig",
                                      "name": FLEX_START_CHECK}}}
+    # Each admitted run's pods select the nodes provisioned for its own request (the label GKE
+    # puts on them), not those of another run admitted on the same flavor (as GKE's xpk does).
     provisioning = {"apiVersion": KUEUE_API_VERSION, "kind": "ProvisioningRequestConfig",
                     "metadata": {"name": FLEX_START_CHECK},
                     "spec": {"provisioningClassName": FLEX_START_CLASS,
-                             "managedResources": [accelerators.TPU_RESOURCE]}}
+                             "managedResources": [accelerators.TPU_RESOURCE],
+                             "podSetUpdates": {"nodeSelector": [{
+                                 "key": PROVISIONED_NODE_LABEL,
+                                 "valueFromProvisioningClassDetail": "ResizeRequestName"}]}}}
     return [check, provisioning]
 
 

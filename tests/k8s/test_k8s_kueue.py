@@ -92,8 +92,13 @@ def test_flex_start_waits_for_gke_to_provision_the_nodes():
     assert check["spec"]["parameters"] == {"apiGroup": "kueue.x-k8s.io",
                                            "kind": "ProvisioningRequestConfig",
                                            "name": config["metadata"]["name"]}
-    assert config["spec"] == {"provisioningClassName": "queued-provisioning.gke.io",
-                              "managedResources": ["google.com/tpu"]}
+    assert config["spec"] == {
+        "provisioningClassName": "queued-provisioning.gke.io",
+        "managedResources": ["google.com/tpu"],
+        # a run's pods land on the nodes provisioned for it, not another admitted run's
+        "podSetUpdates": {"nodeSelector": [{
+            "key": "autoscaling.gke.io/provisioning-request",
+            "valueFromProvisioningClassDetail": "ResizeRequestName"}]}}
     [queue] = kinds["ClusterQueue"]
     assert queue["spec"]["admissionChecksStrategy"] == {
         "admissionChecks": [{"name": check["metadata"]["name"]}]}
