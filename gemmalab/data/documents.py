@@ -18,6 +18,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import hashlib
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -224,9 +225,9 @@ class SplitRule:
     def label_stories(self, stories: Iterator[Any], datacount: int | None
                       ) -> Iterator[tuple[str, Any]]:
         """Yield ("eval" | "train", story) for the stories this process needs."""
-        for i, story in enumerate(stories):
-            if datacount is not None and i >= datacount:
-                return
+        # islice: not one story past datacount is read (and counted as read)
+        for i, story in enumerate(stories if datacount is None
+                                  else itertools.islice(stories, datacount)):
             if self.is_eval(i):
                 yield "eval", story
             elif (i - self.evals_before(i)) % self.process_count == self.process_index:

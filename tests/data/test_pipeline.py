@@ -97,9 +97,13 @@ def test_split_rule_is_deterministic_and_shards_train_stories():
     assert [len(s) for s in shards] == [32, 32, 31]
 
 
-def test_datacount_caps_the_stories_read():
+def test_datacount_caps_the_stories_read(stories_file):
     rule = documents.SplitRule(eval_fraction=0.5, max_eval_stories=100)
-    assert len(list(rule.label_stories(iter(["a"] * 50), datacount=10))) == 10
+    stories = iter(["a"] * 50)
+    assert len(list(rule.label_stories(stories, datacount=10))) == 10
+    assert len(list(stories)) == 40  # not one more read
+    labelled = documents.labelled_documents(str(stories_file), documents.TEXT, rule, 10)
+    assert (len(list(labelled)), labelled.read) == (10, 10)  # the data table's "stories read"
 
 
 # --- token cache ---------------------------------------------------------------------------
