@@ -94,7 +94,7 @@ def test_the_config_is_frozen_and_its_params_too():
         ({"params": {"output_dir": "/tmp/x"}}, "params.output_dir"),
         ({"params": {"not_a_parameter": 1}}, "params.not_a_parameter"),
         ({"params": {"model": "gemma4"}}, "params.model"),
-        ({"params": {"batch_size": "64"}}, "params"),
+        ({"params": {"batch_size": "64"}}, "params.batch_size"),
         ({"params": {"batch_size": 60}, "accelerator": "v6e", "topology": "2x4"},
          "params.batch_size"),
         ({"job_name": "Gemma_Train"}, "job_name"),
