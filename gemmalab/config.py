@@ -284,8 +284,8 @@ class TrainConfig:
         if self.datacount is not None:  # (data with too few documents: refused once read)
             period = eval_period(self.eval_fraction)
             require(self.datacount >= period, "datacount",
-                    f"{self.datacount} stories hold none out for evaluation (every "
-                    f"{period}th is, eval_fraction={self.eval_fraction})",
+                    f"{self.datacount} stories hold none out for evaluation (one in {period} "
+                    f"is, eval_fraction={self.eval_fraction})",
                     f"use datacount >= {period}, or eval_fraction >= "
                     f"{1 / max(self.datacount, 2):.3g}")
         require(self.num_epochs >= 1, "num_epochs", f"{self.num_epochs} < 1", "use num_epochs >= 1")

@@ -220,7 +220,7 @@ def test_values_of_the_right_kind_pass_as_json_and_numpy_give_them():
 
 def test_a_datacount_that_holds_nothing_out_is_refused_at_once():
     with pytest.raises(ConfigError, match=r"^datacount: 30 stories hold none out for evaluation "
-                       r"\(every 50th is, eval_fraction=0\.02\)\. Fix: use datacount >= 50, or "
+                       r"\(one in 50 is, eval_fraction=0\.02\)\. Fix: use datacount >= 50, or "
                        r"eval_fraction >= 0\.0333$"):
         TrainConfig(model="gemma3-tiny", datacount=30)
     assert TrainConfig(model="gemma3-tiny", datacount=50).datacount == 50

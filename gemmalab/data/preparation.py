@@ -67,8 +67,8 @@ def _require_held_out_documents(meta: dict, rule: SplitRule) -> None:
     run: refused before any model work."""
     if meta["eval_docs"] == 0:
         read = meta["stories_read"]
-        raise ConfigError("eval_fraction", f"holds out none of the {read} documents read (every "
-                          f"{rule.eval_period}th is held out)",
+        raise ConfigError("eval_fraction", f"holds out none of the {read} documents read (one in "
+                          f"{rule.eval_period} is held out)",
                           f"use eval_fraction >= {1 / max(read, 2):.3g}, or more data")
 
 

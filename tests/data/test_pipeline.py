@@ -530,7 +530,7 @@ def test_data_that_holds_nothing_out_is_refused_before_any_model_work(tmp_path, 
                          tokenizer_vocab_size=600, cache_dir=str(cache_dir), tokenize_workers=1,
                          output_dir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"^eval_fraction: holds out none of the 400 documents "
-                       r"read \(every 1000th is held out\)\. Fix: use eval_fraction >= 0\.0025, "
+                       r"read \(one in 1000 is held out\)\. Fix: use eval_fraction >= 0\.0025, "
                        r"or more data$"):
         prepare_data(config)
 
