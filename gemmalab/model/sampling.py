@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from typing import Any
 
@@ -72,13 +73,13 @@ def checked_prompts(prompts: str | list[str], *, max_new_tokens: int, temperatur
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     require(bool(prompts) and all(isinstance(p, str) and p for p in prompts), "prompts",
             f"{prompts!r} is not a list of prompts", "give non-empty strings, e.g. ['Once upon']")
-    require(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool)
+    require(isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool)
             and max_new_tokens >= 1, "max_new_tokens",
             f"{max_new_tokens!r} is not a positive whole number", "use e.g. 48")
-    require(isinstance(temperature, int | float) and math.isfinite(temperature)
+    require(isinstance(temperature, numbers.Real) and math.isfinite(temperature)
             and temperature >= 0, "temperature", f"{temperature!r} is not a number >= 0",
             "use 0 (greedy) or e.g. 0.8")
-    require(isinstance(top_p, int | float) and 0 < top_p <= 1, "top_p",
+    require(isinstance(top_p, numbers.Real) and 0 < top_p <= 1, "top_p",
             f"{top_p!r} is outside (0, 1]", "use e.g. 0.9 (1.0 keeps every token)")
     return prompts
 

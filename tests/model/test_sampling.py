@@ -132,6 +132,8 @@ def test_prompts_and_sampling_settings_are_checked_by_name():
     assert sampling.checked_prompts("Once upon", max_new_tokens=8) == ["Once upon"]
     assert sampling.checked_prompts(("a", "b"), max_new_tokens=8, temperature=0.8,
                                     top_p=1) == ["a", "b"]
+    assert sampling.checked_prompts(["a"], max_new_tokens=np.int64(8), temperature=np.float32(0.8),
+                                    top_p=np.float64(0.9)) == ["a"]  # numbers as numpy gives them
     for values, message in [
             (dict(prompts=[]), r"prompts: \[\] is not a list of prompts"),
             (dict(prompts=["a", ""]), r"prompts: \['a', ''\] is not a list of prompts"),
