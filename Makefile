@@ -21,7 +21,8 @@ export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 DEMO_DIR ?= runs/demo
 
-.PHONY: help env libtpu interop demo demo-tiny test test-fast test-numerics lint lock notebooks lab image clean
+.PHONY: help env libtpu interop demo demo-tiny test test-fast test-numerics lint lock notebooks lab image clean \
+	cluster cluster-down cluster-programs etcd
 
 help:
 	@echo "make demo   - set up, then fine-tune the embedded pretrained Gemma 3 270M offline (train.ipynb)"
@@ -30,6 +31,8 @@ help:
 	@echo "make test-fast     - the inner loop (~3.5 min on 2 cores): the tests under ~10 s each (-m \"not slow\")"
 	@echo "make test-numerics - the notebook regression tests under SSE4.2/1 core and AVX2 numerics"
 	@echo "make libtpu - the TPU compiler for exact memory plans (notebooks/plan.ipynb exact=True)"
+	@echo "make cluster - a local Kubernetes (API server, JobSet, Kueue, fake TPU v6e nodes) to rehearse GKE runs on"
+	@echo "make cluster-down - stop it (the built programs stay cached in ~/.cache/gemmalab/cluster)"
 	@echo "make interop - export the tiny preset, load it with transformers and peft, compare logits"
 	@echo "make lint   - ruff"
 	@echo "make notebooks - re-execute the nbval regression copies in tests/notebooks/"
@@ -127,8 +130,25 @@ PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider --nbval-sanitize-with $(NBVA
 TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(4, max(2, len(os.sched_getaffinity(0)))))' 2>/dev/null || echo 2)
 PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --no-loadscope-reorder)
 
-test: $(STAMP) $(LIBTPU)/.installed
+test: $(STAMP) $(LIBTPU)/.installed cluster-programs
 	$(NBVAL_ENV) $(PYTEST) $(PARALLEL) tests
+
+# The local Kubernetes (gemmalab/k8s/cluster): etcd from Debian, the rest built from the Go module
+# proxy once per machine into ~/.cache/gemmalab/cluster (GEMMALAB_CLUSTER_HOME), 7-11 min cold on
+# 2 cores. Loopback ports from CLUSTER_PORT (16400) up. The tests start it themselves.
+CLUSTER := $(VENV)/bin/python -m gemmalab.k8s.cluster
+export CLUSTER_PORT ?= 16400
+etcd:
+	@command -v etcd >/dev/null || scripts/install-etcd
+
+cluster-programs: $(STAMP) etcd
+	$(CLUSTER) build
+
+cluster: $(STAMP) etcd
+	@$(CLUSTER) up
+
+cluster-down: $(STAMP)
+	@$(CLUSTER) down
 
 # The inner loop: everything but the notebooks, multi-process and server runs. It is
 # compile-bound (XLA compiling tiny programs that run for milliseconds), so it compiles with LLVM

@@ -9,11 +9,16 @@ session's own directory, so another session (e.g. other CPU flags) never reads i
 """
 
 import atexit
+import dataclasses
+import itertools
 import os
 import shutil
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Flags every test process gets unless XLA_FLAGS already names them (`make test-fast` adds an
 # LLVM level there; `make test-numerics` other CPU kernels).
@@ -98,6 +103,60 @@ def write_text(path: Path, text: str | bytes) -> Path:
     else:
         path.write_text(text, encoding="utf-8")
     return path
+
+
+# --- the local Kubernetes (tests/k8s/test_k8s_cluster.py) ---------------------------------------
+
+@dataclasses.dataclass
+class LocalCluster:
+    layout: Any  # gemmalab.k8s.cluster.stack.Layout
+    api: Any  # kubernetes.client.ApiClient with the cluster's admin credentials
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        from gemmalab.k8s.cluster import stack
+
+        return stack.kubectl(self.layout, *args, stdin=stdin)
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[LocalCluster]:
+    """The local Kubernetes (``make cluster``), started once per session or the running one
+    reused (and then left running)."""
+    from kubernetes import config as k8s_config
+
+    from gemmalab.k8s.cluster import stack
+
+    layout = stack.Layout.default()
+    already_running = (stack.running_components(layout) == list(stack.COMPONENTS)
+                       and stack.api_ready(layout))
+    stack.up(layout, log=lambda line: print(f"[cluster] {line}", flush=True))
+    api = k8s_config.new_client_from_config(config_file=str(layout.kubeconfig))
+    try:
+        yield LocalCluster(layout, api)
+    finally:
+        api.close()
+        if not already_running:  # a cluster the user started stays up
+            stack.down(layout)
+
+
+_namespaces = itertools.count()
+
+
+@pytest.fixture
+def run_namespace(local_cluster: LocalCluster, request) -> Iterator[str]:
+    """A namespace of the test's own, with the runs' service account, removed afterwards (with
+    its runs and its ClusterQueues, labelled gemmalab-test=<namespace>)."""
+    from kubernetes import client
+
+    name = f"t{int(time.time()) % 100000}-{next(_namespaces)}"
+    core = client.CoreV1Api(local_cluster.api)
+    core.create_namespace({"metadata": {"name": name}})
+    core.create_namespaced_service_account(name, {"metadata": {"name": "gemmalab-runner"}})
+    yield name
+    local_cluster.kubectl("delete", "namespace", name, "--wait=false")
+    # ClusterQueues are cluster-scoped: the test's own go with it.
+    local_cluster.kubectl("delete", "clusterqueues.kueue.x-k8s.io", "-l",
+                          f"gemmalab-test={name}", "--ignore-not-found")
 
 
 # --- parallel runs (``make test``: pytest-xdist workers) -------------------------------------

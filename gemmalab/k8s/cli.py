@@ -8,6 +8,12 @@
         -y "learning_rate: [1e-4, 2e-4]" -y "lora_rank: [8, 16]" > sweep.yaml
     python -m gemmalab.k8s sweep --local --name tiny -p model gemma3-tiny -p max_steps 20 \\
         -y "learning_rate: [1e-3, 3e-3]"                        # here, one point after another
+
+With --submit, job and sweep create the runs on the cluster of $KUBECONFIG (or the pod's service
+account) instead of printing them; then:
+    python -m gemmalab.k8s watch my-run       # until it ends: Succeeded or Failed, and why
+    python -m gemmalab.k8s logs my-run        # the last lines of each of its pods
+    python -m gemmalab.k8s delete my-run      # the run and its pods
 """
 
 from __future__ import annotations
@@ -97,6 +103,18 @@ def parser() -> argparse.ArgumentParser:
                            help="run the points here, one after another (papermill), instead")
     sweep_cmd.add_argument("--output-dir", dest="output_root", default="",
                            help="--local: where the points write (default runs/NAME)")
+
+    for name, text in (("watch", "wait until a run ends; exit 0 if it succeeded"),
+                       ("logs", "the last lines of each pod of a run"),
+                       ("delete", "delete a run and its pods")):
+        run_cmd = commands.add_parser(name, help=text, description=text[0].upper() + text[1:])
+        run_cmd.add_argument("run", help="the run's name (--name of job or sweep)")
+        run_cmd.add_argument("--namespace", default="default")
+        if name == "watch":
+            run_cmd.add_argument("--timeout", type=float, default=3600, help="seconds")
+            run_cmd.add_argument("--poll", type=float, default=10, help="seconds")
+        if name == "logs":
+            run_cmd.add_argument("--tail", type=int, default=50, help="lines per pod")
     return top
 
 
@@ -117,6 +135,8 @@ def _run_arguments(parser: argparse.ArgumentParser, default_name: str) -> None:
                              "default: none, the run starts at once")
     parser.add_argument("--profiling", action="store_true", help="open the XProf port 9002")
     parser.add_argument("--max-restarts", dest="max_restarts", type=int, default=0)
+    parser.add_argument("--submit", action="store_true",
+                        help="create the run(s) on the cluster instead of printing them")
     _site_arguments(parser)
 
 
@@ -170,7 +190,54 @@ def _render(args: argparse.Namespace) -> int:
 
 def _job(args: argparse.Namespace) -> int:
     config = ClusterConfig(**_cluster_fields(args))
+    if args.submit:
+        return _submit([config])
     sys.stdout.write(render(manifests.build(config), header=_header(config)))
+    return 0
+
+
+def _submit(configs: list[ClusterConfig]) -> int:
+    """Create every run, or none: all are checked by the API server's dry run first."""
+    from gemmalab.k8s import client
+
+    objects = [(config, obj) for config in configs for obj in manifests.build(config)]
+    for created in client.submit([obj for _, obj in objects]):
+        print(f"created {created}", file=sys.stderr)
+    names = " ".join(config.job_name for config in configs)
+    print(f"watch: python -m gemmalab.k8s watch {names.split()[0]} --namespace "
+          f"{configs[0].namespace}" + (f" (and {names})" if len(configs) > 1 else ""),
+          file=sys.stderr)
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from gemmalab.k8s import launch
+
+    outcome = launch.watch(args.run, args.namespace, timeout_s=args.timeout, poll_s=args.poll,
+                           on_change=lambda phases: print(
+                               ", ".join(f"{pod}: {phase}" for pod, phase in phases.items())
+                               or "no pods yet", file=sys.stderr, flush=True))
+    print(f"{args.run}: {outcome}")
+    return 0 if outcome.state == "Succeeded" else 1
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from gemmalab.k8s import client
+
+    logs = client.tail_logs(args.run, args.namespace, tail_lines=args.tail)
+    if not logs:
+        print(f"{args.run}: no pods in namespace {args.namespace}", file=sys.stderr)
+        return 1
+    for pod, text in logs.items():
+        print(f"--- {pod}\n{text.rstrip()}")
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    from gemmalab.k8s import client
+
+    deleted = client.delete(args.run, args.namespace)
+    print(" ".join(deleted) if deleted else f"{args.run}: nothing to delete")
     return 0
 
 
@@ -186,6 +253,8 @@ def _sweep(args: argparse.Namespace) -> int:
               f"python -m gemmalab.inspect.sweep {root}", file=sys.stderr)
         return 1 if failed else 0
     configs = sweeps.cluster_sweep(_cluster_fields(args), values, yes=args.yes)
+    if args.submit:
+        return _submit(configs)
     for config in configs:
         sys.stdout.write(render(manifests.build(config), header=_header(config)))
     dirs = " ".join(f"gs://{c.resolved_outputs_bucket}/{c.job_name}" for c in configs)
@@ -198,7 +267,8 @@ def _sweep(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return {"render": _render, "job": _job, "sweep": _sweep}[args.command](args)
+        return {"render": _render, "job": _job, "sweep": _sweep, "watch": _watch, "logs": _logs,
+                "delete": _delete}[args.command](args)
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         return 2

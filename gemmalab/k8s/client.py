@@ -7,12 +7,16 @@ local kubeconfig (``gcloud container clusters get-credentials`` writes it).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from kubernetes import client
 
+from gemmalab.errors import ConfigError
+from gemmalab.k8s.kueue import KUEUE_API_VERSION, QUEUE_LABEL
 from gemmalab.k8s.manifests import CONTAINER, INSTANCE_LABEL, JOBSET_API_VERSION
 from gemmalab.k8s.render import to_dict
 
@@ -38,23 +42,79 @@ def connect(api_client: client.ApiClient | None = None) -> client.ApiClient:
 def submit(objects: Iterable[Any], namespace: str | None = None, *,
            api_client: client.ApiClient | None = None) -> list[str]:
     """Create each Job/JobSet; returns ``["JobSet/name", ...]``. Namespace: argument, else the
-    object's, else ``default``."""
+    object's, else ``default``.
+
+    Nothing is created unless all are accepted: every object first goes through the API
+    server's dry run (its schemas and the JobSet and Kueue admission webhooks), and a queued run
+    whose Kueue LocalQueue does not exist is refused (Kueue would leave it pending forever). A
+    refusal is a one-line ``ConfigError`` naming the object and the field the server names.
+    """
     api = connect(api_client)
-    created = []
+    bodies = []
     for obj in objects:
         body = to_dict(obj)
-        kind, name = body.get("kind"), body["metadata"]["name"]
-        ns = namespace or body["metadata"].get("namespace") or "default"
-        body["metadata"]["namespace"] = ns
+        if body.get("kind") not in ("Job", "JobSet"):
+            raise ValueError(f"cannot submit a {body.get('kind')}: only Job and JobSet")
+        body["metadata"]["namespace"] = (namespace or body["metadata"].get("namespace")
+                                         or "default")
+        bodies.append(body)
+    for body in bodies:
+        _require_queue(body, api)
+        _create(body, api, dry_run=True)
+    return [_create(body, api, dry_run=False) for body in bodies]
+
+
+def _create(body: dict[str, Any], api: client.ApiClient, *, dry_run: bool) -> str:
+    kind, name, ns = body["kind"], body["metadata"]["name"], body["metadata"]["namespace"]
+    # Strict: a misspelt field is refused, not dropped silently (the API's default only warns).
+    extra = {"field_validation": "Strict", **({"dry_run": "All"} if dry_run else {})}
+    try:
         if kind == "Job":
-            client.BatchV1Api(api).create_namespaced_job(ns, body)
-        elif kind == "JobSet":
-            client.CustomObjectsApi(api).create_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_VERSION, ns, JOBSET_PLURAL, body)
+            client.BatchV1Api(api).create_namespaced_job(ns, body, **extra)
         else:
-            raise ValueError(f"cannot submit a {kind}: only Job and JobSet")
-        created.append(f"{kind}/{name}")
-    return created
+            client.CustomObjectsApi(api).create_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, ns, JOBSET_PLURAL, body, **extra)
+    except client.ApiException as e:
+        if e.status == NOT_FOUND and kind == "JobSet":
+            raise ConfigError(f"JobSet/{name}", "the cluster has no JobSet API",
+                              "install JobSet (scripts/gke/install-jobset.sh; make cluster "
+                              "has it)") from None
+        if e.status is None or not 400 <= e.status < 500:
+            raise
+        raise ConfigError(f"{kind}/{name}", f"the API server refused it: {refusal(e)}",
+                          "change the field it names (in the ClusterConfig or manifest that "
+                          "renders it) and submit again") from None
+    return f"{kind}/{name}"
+
+
+def refusal(error: client.ApiException) -> str:
+    """The API server's reason for a refusal as one line: its message, which names the field
+    (``spec.failurePolicy.rules[0].name: Invalid value: ...``)."""
+    try:
+        message = json.loads(error.body or "{}").get("message") or ""
+    except ValueError:
+        message = ""
+    message = message or error.reason or f"HTTP {error.status}"
+    return " ".join(message.split())
+
+
+def _require_queue(body: dict[str, Any], api: client.ApiClient) -> None:
+    queue = (body["metadata"].get("labels") or {}).get(QUEUE_LABEL)
+    if not queue:
+        return
+    ns = body["metadata"]["namespace"]
+    group, version = KUEUE_API_VERSION.split("/")
+    try:
+        client.CustomObjectsApi(api).get_namespaced_custom_object(
+            group, version, ns, "localqueues", queue)
+    except client.ApiException as e:
+        if e.status != NOT_FOUND:
+            raise
+        raise ConfigError("queue", f"there is no Kueue LocalQueue {queue!r} in namespace {ns} "
+                          f"({refusal(e)}), so the run would wait forever",
+                          f"create it (kubectl apply -f k8s/kueue-v6e.yaml, or "
+                          f"scripts/gke/install-kueue.sh) or name an existing one: kubectl get "
+                          f"localqueues -n {ns}") from None
 
 
 def _pods(job_name: str, namespace: str, api: client.ApiClient) -> list[client.V1Pod]:
@@ -76,17 +136,30 @@ JOBSET_OUTCOMES = {"Completed": "Succeeded", "Failed": "Failed"}
 JOB_OUTCOMES = {"Complete": "Succeeded", "Failed": "Failed"}
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOutcome:
+    """How a run ended (``state``: Succeeded, Failed, NotFound; ``launch.watch`` adds Running at
+    its deadline) and why, as its JobSet's or Job's condition says."""
+
+    state: str
+    reason: str = ""
+    message: str = ""
+
+    def __str__(self) -> str:
+        why = ": ".join(part for part in (self.reason, self.message) if part)
+        return f"{self.state} ({why})" if why else self.state
+
+
 def run_outcome(job_name: str, namespace: str = "default", *,
-                api_client: client.ApiClient | None = None) -> str | None:
-    """How the run ended, from its JobSet's (else its Job's) conditions: ``"Succeeded"``,
-    ``"Failed"``, ``"NotFound"`` (neither exists, e.g. deleted), or None while it still waits in
-    a queue, runs or restarts: a pod that failed is not the end of a run its failure policy
-    retries (a preempted host, a JobSet restart)."""
+                api_client: client.ApiClient | None = None) -> RunOutcome | None:
+    """How the run ended, from its JobSet's (else its Job's) conditions, or None while it still
+    waits in a queue, runs or restarts: a pod that failed is not the end of a run its failure
+    policy retries (a preempted host, a JobSet restart). ``NotFound``: neither exists (deleted)."""
     api = connect(api_client)
     try:
         jobset = client.CustomObjectsApi(api).get_namespaced_custom_object(
             JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, job_name)
-        conditions = [(c.get("type"), c.get("status"))
+        conditions = [(c.get("type"), c.get("status"), c.get("reason"), c.get("message"))
                       for c in (jobset.get("status") or {}).get("conditions") or []]
         outcomes = JOBSET_OUTCOMES
     except client.ApiException as e:
@@ -97,11 +170,34 @@ def run_outcome(job_name: str, namespace: str = "default", *,
         except client.ApiException as e:
             if e.status != NOT_FOUND:
                 raise
-            return "NotFound"
-        conditions = [(c.type, c.status) for c in (job.status and job.status.conditions) or []]
+            return RunOutcome("NotFound")
+        conditions = [(c.type, c.status, c.reason, c.message)
+                      for c in (job.status and job.status.conditions) or []]
         outcomes = JOB_OUTCOMES
-    return next((outcomes[kind] for kind, status in conditions
+    return next((RunOutcome(outcomes[kind], reason or "", " ".join((message or "").split()))
+                 for kind, status, reason, message in conditions
                  if status == "True" and kind in outcomes), None)
+
+
+def suspended(job_name: str, namespace: str = "default", *,
+              api_client: client.ApiClient | None = None) -> bool:
+    """Whether the run's JobSet (else Job) is suspended: Kueue holds every run it has not
+    admitted suspended, so its pods are not even created."""
+    api = connect(api_client)
+    try:
+        jobset = client.CustomObjectsApi(api).get_namespaced_custom_object(
+            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, job_name)
+        return bool(jobset.get("spec", {}).get("suspend"))
+    except client.ApiException as e:
+        if e.status != NOT_FOUND:
+            raise
+    try:
+        job = client.BatchV1Api(api).read_namespaced_job(job_name, namespace)
+    except client.ApiException as e:
+        if e.status != NOT_FOUND:
+            raise
+        return False
+    return bool(job.spec.suspend)
 
 
 def tail_logs(job_name: str, namespace: str = "default", *, tail_lines: int = 50,

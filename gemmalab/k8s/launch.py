@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gemmalab import storage
@@ -13,9 +13,10 @@ from gemmalab.k8s import client as k8s_client
 
 def watch(job_name: str, namespace: str = "default", *, timeout_s: float = 1800,
           poll_s: float = 15, on_change: Callable[[dict[str, str]], None] | None = None,
-          api_client: Any = None) -> str:
+          api_client: Any = None) -> k8s_client.RunOutcome:
     """Poll until the run's Job or JobSet has ended, or ``timeout_s`` passed; returns its outcome
-    (``client.run_outcome``: Succeeded, Failed, NotFound) or ``"Running"`` at the deadline.
+    (``client.run_outcome``: Succeeded, Failed or NotFound, with the condition's reason and
+    message) or state ``Running`` at the deadline.
 
     A failed pod does not end the watch: the run's failure policy may retry it (a preempted
     host, a JobSet restart). ``on_change`` is called with ``{pod: phase}`` whenever the phases
@@ -32,8 +33,25 @@ def watch(job_name: str, namespace: str = "default", *, timeout_s: float = 1800,
         if outcome is not None:
             return outcome
         if time.monotonic() >= deadline:
-            return "Running"
+            return k8s_client.RunOutcome("Running", "", f"still going after {timeout_s:.0f} s")
         time.sleep(poll_s)
+
+
+def run_state(job_name: str, namespace: str = "default", *, api_client: Any = None) -> str:
+    """Where a run is now: ``Queued`` (suspended: Kueue has not admitted it), ``Running``
+    (admitted or unqueued, not ended: pods pending, running or restarting), or how it ended
+    (``Succeeded``, ``Failed``, ``NotFound``)."""
+    outcome = k8s_client.run_outcome(job_name, namespace, api_client=api_client)
+    if outcome is not None:
+        return outcome.state
+    return "Queued" if k8s_client.suspended(job_name, namespace,
+                                            api_client=api_client) else "Running"
+
+
+def run_states(job_names: Iterable[str], namespace: str = "default", *,
+               api_client: Any = None) -> dict[str, str]:
+    """``run_state`` of each run (a sweep's points: the notebook adds them to its table)."""
+    return {name: run_state(name, namespace, api_client=api_client) for name in job_names}
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

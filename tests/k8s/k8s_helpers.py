@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +116,14 @@ def topology_chips(topology: str) -> int:
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def wait_for(what: str, condition: Callable[[], Any], timeout_s: float = 90,
+             poll_s: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if value := condition():
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)

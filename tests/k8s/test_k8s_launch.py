@@ -1,18 +1,20 @@
-"""launch.ipynb's helpers: watching a run (against a stub client) and reading metrics."""
+"""launch.ipynb's helpers: watching a run (against a stub client) and reading metrics. The same
+against a real cluster: test_k8s_cluster.py."""
 
 import json
 
 from gemmalab.k8s import launch
+from gemmalab.k8s.client import RunOutcome
 
 
 def test_watch_reports_changes_until_the_run_ends(monkeypatch):
     timeline = iter([{"a": "Pending", "b": "Pending"}, {"a": "Running", "b": "Pending"},
                      {"a": "Running", "b": "Pending"}, {"a": "Succeeded", "b": "Succeeded"}])
-    outcomes = iter([None, None, None, "Succeeded"])
+    outcomes = iter([None, None, None, RunOutcome("Succeeded")])
     monkeypatch.setattr(launch.k8s_client, "pod_phases", lambda *a, **k: next(timeline))
     monkeypatch.setattr(launch.k8s_client, "run_outcome", lambda *a, **k: next(outcomes))
     seen = []
-    assert launch.watch("run", poll_s=0, on_change=seen.append) == "Succeeded"
+    assert launch.watch("run", poll_s=0, on_change=seen.append) == RunOutcome("Succeeded")
     assert seen[-1] == {"a": "Succeeded", "b": "Succeeded"}
     assert len(seen) == 3  # the repeated state is not reported twice
 
@@ -21,15 +23,16 @@ def test_a_failed_pod_does_not_end_the_watch_while_the_run_retries(monkeypatch):
     """A preempted host's pod fails, the failure policy replaces it: the run goes on."""
     timeline = iter([{"a": "Failed", "b": "Running"}, {"a2": "Running", "b": "Running"},
                      {"a2": "Failed", "b": "Failed"}])
-    outcomes = iter([None, None, "Failed"])
+    outcomes = iter([None, None, RunOutcome("Failed", "FailedJobs", "slice-0 failed")])
     monkeypatch.setattr(launch.k8s_client, "pod_phases", lambda *a, **k: next(timeline))
     monkeypatch.setattr(launch.k8s_client, "run_outcome", lambda *a, **k: next(outcomes))
     seen = []
-    assert launch.watch("run", poll_s=0, on_change=seen.append) == "Failed"
+    outcome = launch.watch("run", poll_s=0, on_change=seen.append)
+    assert str(outcome) == "Failed (FailedJobs: slice-0 failed)"
     assert len(seen) == 3
     monkeypatch.setattr(launch.k8s_client, "pod_phases", lambda *a, **k: {"a": "Pending"})
     monkeypatch.setattr(launch.k8s_client, "run_outcome", lambda *a, **k: None)
-    assert launch.watch("run", poll_s=0, timeout_s=0) == "Running"
+    assert launch.watch("run", poll_s=0, timeout_s=0).state == "Running"
 
 
 def test_run_metrics_reads_what_the_trainer_writes(tmp_path):

