@@ -165,18 +165,24 @@ def run_namespace(local_cluster: LocalCluster, request) -> Iterator[str]:
 # the token cache that train reads, and train writes the run the later copies read. (A scheduler
 # of our own: xdist 3.8's ``loadgroup`` cannot rename pytest 9's node ids.)
 NOTEBOOK_COPIES = "tests/notebooks/"
+# The tests against the local Kubernetes share one worker: one cluster started (or reused) once,
+# and runs that never compete for its fake nodes.
+LOCAL_CLUSTER_FILES = ("tests/k8s/test_k8s_cluster.py", "tests/k8s/test_k8s_client.py")
 # The longest first, so that no worker is left with a long one at the end while the others idle
 # (``--no-loadscope-reorder`` keeps this order).
 LONGEST_FIRST = ("notebook-copies", "tests/model/test_attention.py", "tests/test_plan.py",
-                 "tests/test_notebook_regression.py", "tests/train/test_resume.py",
+                 "local-cluster", "tests/test_notebook_regression.py", "tests/train/test_resume.py",
                  "tests/test_notebooks.py", "tests/train/test_real_base.py",
                  "tests/model/test_sharding.py", "tests/train/test_multiprocess.py",
                  "tests/test_lab.py", "tests/weights/test_export.py", "tests/model/test_lora.py")
 
 
 def worker_scope(nodeid: str) -> str:
-    """What runs on one worker: the notebook copies together, else the test's file."""
+    """What runs on one worker: the notebook copies together, the local cluster's tests
+    together, else the test's file."""
     path = nodeid.split("::", 1)[0]
+    if path in LOCAL_CLUSTER_FILES:
+        return "local-cluster"
     return "notebook-copies" if path.startswith(NOTEBOOK_COPIES) else path
 
 

@@ -105,8 +105,8 @@ def node_pool(cluster, node: str) -> str:
 @pytest.mark.parametrize("filename", TRAINING_FILES)
 def test_committed_manifests_are_accepted_by_the_real_api_server(local_cluster, filename):
     """Every object of k8s/ passes the API server's schemas and the JobSet and Kueue webhooks
-    (a server-side dry run of `kubectl apply`: nothing changes). JobSet's webhook refused the hyphenated
-    failure-policy rule names these files once had; only the real webhook proves that."""
+    (a server-side dry run of `kubectl apply`: nothing changes). JobSet's webhook refused the
+    hyphenated failure-policy rule names these files once had; only the real webhook proves it."""
     out = local_cluster.kubectl("apply", "--dry-run=server", "-o", "name", "-f",
                                 str(ROOT / "k8s" / filename))
     assert len(out.split()) == len([d for d in yaml.safe_load_all(
@@ -301,11 +301,16 @@ def _misspelt_field(body):
     body["spec"]["network"]["enableDnsHostnames"] = True  # the field is enableDNSHostnames
 
 
+# What each refusal names, as the real server words it.
 BAD_OBJECTS = {
-    # JobSet's webhook: pod names (jobset-replicatedjob-slice-host-suffix) must stay a DNS label.
-    "over-long name": (_rename("a" * 60), "metadata.name"),
-    "hyphenated failure-policy rule": (_hyphenated_rule, "spec.failurePolicy.rules[0].name"),
-    "schema: replicas as text": (_replicas_as_text, "spec.replicatedJobs[0].replicas"),
+    # JobSet's webhook: the names of its Jobs and pods must stay DNS labels.
+    "over-long name": (_rename("a" * 60),
+                       'spec.replicatedJobs[0].name: Invalid value: "aaaaaaaaaaaaaaaaaaaaaaaaaaaa'
+                       'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-slice-0": JobSet name is too long'),
+    "hyphenated failure-policy rule": (
+        _hyphenated_rule, "invalid failure policy rule name 'restart-after-disruption'"),
+    # JobSet's defaulting webhook decodes the object before the schema is applied.
+    "schema: replicas as text": (_replicas_as_text, "spec.replicatedJobs.replicas of type int32"),
     "schema: a misspelt field": (_misspelt_field, "spec.network.enableDnsHostnames"),
 }
 

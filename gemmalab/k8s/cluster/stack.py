@@ -43,8 +43,9 @@ QUEUE_MANIFEST = build.REPO_ROOT / "k8s" / "kueue-v6e.yaml"
 # chaos stage: label pod-container-running-failed.stage.kwok.x-k8s.io=true).
 KWOK_STAGES = ("node/fast/node-initialize.yaml", "node/heartbeat/node-heartbeat.yaml",
                "pod/fast/pod-ready.yaml", "pod/general/pod-complete.yaml",
-               "pod/general/pod-delete.yaml", "pod/chaos/pod-container-running-failed.yaml")
+               "pod/chaos/pod-container-running-failed.yaml")  # + cluster/kwok-stages.yaml
 LOCAL_STAGES = build.REPO_ROOT / "cluster" / "kwok-stages.yaml"
+FAKE_CONTAINER_LOG = build.REPO_ROOT / "cluster" / "fake-container.log"
 # Kueue's webhooks for the kinds gemmalab submits and Kueue's own; the others (pods,
 # deployments, Ray, ...) would intercept objects of frameworks this cluster does not run.
 KUEUE_WEBHOOK_GROUPS = {"batch", "jobset.x-k8s.io", "kueue.x-k8s.io"}
@@ -268,10 +269,15 @@ def kueue_objects(source: Path, layout: Layout, ca_bundle: str) -> list[dict[str
     return crds + configs
 
 
-def kwok_stages(source: Path) -> list[dict[str, Any]]:
+def kwok_config(source: Path) -> list[dict[str, Any]]:
+    """kwok's stages (its own and ours) and its logs: every fake container's log is one file
+    that says it is fake (the API server reads it through the node, as a kubelet's)."""
     stages = [doc for name in KWOK_STAGES
               for doc in _load(source / "kustomize" / "stage" / name)]
-    return stages + _load(LOCAL_STAGES)
+    logs = {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "ClusterLogs",
+            "metadata": {"name": "fake-containers"},
+            "spec": {"logs": [{"logsFile": str(FAKE_CONTAINER_LOG)}]}}
+    return stages + _load(LOCAL_STAGES) + [logs]
 
 
 # --- the components -------------------------------------------------------------------------
@@ -427,14 +433,19 @@ def _start_stack(layout: Layout, binaries: dict[str, Path], go: str,
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         extra = ["--feature-gates=VisibilityOnDemand=false"] if name == "kueue" else []
         _start(layout, name, [str(binaries[name]), f"--config={path}", *extra], kube_env)
-    (layout.root / "kwok-stages.yaml").write_text(
-        yaml.safe_dump_all(kwok_stages(kwok_source), sort_keys=False))
+    (layout.root / "kwok.yaml").write_text(
+        yaml.safe_dump_all(kwok_config(kwok_source), sort_keys=False))
+    # The nodes' kubelet endpoint is kwok's own server on loopback: the API server reads pod
+    # logs from it (kubectl logs, client.tail_logs) as it would from a kubelet.
     _start(layout, "kwok", [
         str(binaries["kwok"]), f"--kubeconfig={layout.kubeconfig}",
-        f"--config={layout.root / 'kwok-stages.yaml'}", "--manage-all-nodes=false",
+        f"--config={layout.root / 'kwok.yaml'}", "--manage-all-nodes=false",
         f"--manage-nodes-with-annotation-selector={nodes.KWOK_ANNOTATION}=fake",
-        "--node-lease-duration-seconds=0", "--cidr=10.244.0.0/16", "--node-ip=10.0.0.1",
-        f"--server-address=127.0.0.1:{layout.port('kwok')}"])
+        "--node-lease-duration-seconds=0", "--cidr=10.244.0.0/16", "--node-ip=127.0.0.1",
+        f"--node-port={layout.port('kwok')}",
+        f"--server-address=127.0.0.1:{layout.port('kwok')}",
+        f"--tls-cert-file={layout.pki / 'serving.crt'}",
+        f"--tls-private-key-file={layout.pki / 'serving.key'}"])
     for name, port in (("jobset", "jobset-webhook"), ("kueue", "kueue-webhook")):
         _wait(f"{name}'s webhook server", _listening(layout.port(port)), layout, name,
               timeout_s=120)
