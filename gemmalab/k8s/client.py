@@ -150,44 +150,12 @@ class RunOutcome:
         return f"{self.state} ({why})" if why else self.state
 
 
-def run_outcome(job_name: str, namespace: str = "default", *,
-                api_client: client.ApiClient | None = None) -> RunOutcome | None:
-    """How the run ended, from its JobSet's (else its Job's) conditions, or None while it still
-    waits in a queue, runs or restarts: a pod that failed is not the end of a run its failure
-    policy retries (a preempted host, a JobSet restart). ``NotFound``: neither exists (deleted)."""
-    api = connect(api_client)
+def _run_object(job_name: str, namespace: str, api: client.ApiClient) -> dict[str, Any] | None:
+    """The run's JobSet, else its Job, as a dict (None: neither exists). A JobSet is asked first;
+    its 404 also means that the cluster has no JobSet API."""
     try:
-        jobset = client.CustomObjectsApi(api).get_namespaced_custom_object(
+        return client.CustomObjectsApi(api).get_namespaced_custom_object(
             JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, job_name)
-        conditions = [(c.get("type"), c.get("status"), c.get("reason"), c.get("message"))
-                      for c in (jobset.get("status") or {}).get("conditions") or []]
-        outcomes = JOBSET_OUTCOMES
-    except client.ApiException as e:
-        if e.status != NOT_FOUND:  # 404 too where the JobSet CRD is not installed
-            raise
-        try:
-            job = client.BatchV1Api(api).read_namespaced_job(job_name, namespace)
-        except client.ApiException as e:
-            if e.status != NOT_FOUND:
-                raise
-            return RunOutcome("NotFound")
-        conditions = [(c.type, c.status, c.reason, c.message)
-                      for c in (job.status and job.status.conditions) or []]
-        outcomes = JOB_OUTCOMES
-    return next((RunOutcome(outcomes[kind], reason or "", " ".join((message or "").split()))
-                 for kind, status, reason, message in conditions
-                 if status == "True" and kind in outcomes), None)
-
-
-def suspended(job_name: str, namespace: str = "default", *,
-              api_client: client.ApiClient | None = None) -> bool:
-    """Whether the run's JobSet (else Job) is suspended: Kueue holds every run it has not
-    admitted suspended, so its pods are not even created."""
-    api = connect(api_client)
-    try:
-        jobset = client.CustomObjectsApi(api).get_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, job_name)
-        return bool(jobset.get("spec", {}).get("suspend"))
     except client.ApiException as e:
         if e.status != NOT_FOUND:
             raise
@@ -196,8 +164,31 @@ def suspended(job_name: str, namespace: str = "default", *,
     except client.ApiException as e:
         if e.status != NOT_FOUND:
             raise
-        return False
-    return bool(job.spec.suspend)
+        return None
+    return {**api.sanitize_for_serialization(job), "kind": "Job"}
+
+
+def run_outcome(job_name: str, namespace: str = "default", *,
+                api_client: client.ApiClient | None = None) -> RunOutcome | None:
+    """How the run ended, from its JobSet's (else its Job's) conditions, or None while it still
+    waits in a queue, runs or restarts: a pod that failed is not the end of a run its failure
+    policy retries (a preempted host, a JobSet restart). ``NotFound``: neither exists (deleted)."""
+    run = _run_object(job_name, namespace, connect(api_client))
+    if run is None:
+        return RunOutcome("NotFound")
+    outcomes = JOBSET_OUTCOMES if run.get("kind") == "JobSet" else JOB_OUTCOMES
+    return next((RunOutcome(outcomes[c["type"]], c.get("reason") or "",
+                            " ".join((c.get("message") or "").split()))
+                 for c in (run.get("status") or {}).get("conditions") or []
+                 if c.get("status") == "True" and c.get("type") in outcomes), None)
+
+
+def suspended(job_name: str, namespace: str = "default", *,
+              api_client: client.ApiClient | None = None) -> bool:
+    """Whether the run's JobSet (else Job) is suspended: Kueue holds every run it has not
+    admitted suspended, so its pods are not even created."""
+    run = _run_object(job_name, namespace, connect(api_client))
+    return bool(run and (run.get("spec") or {}).get("suspend"))
 
 
 def tail_logs(job_name: str, namespace: str = "default", *, tail_lines: int = 50,

@@ -93,7 +93,7 @@ def test_a_failing_build_says_why_and_where_its_log_is(tmp_path):
     code, said = cluster_up(tmp_path, [bin_dir], CLUSTER_PORT=str(free_base_port()))
     log = tmp_path / "home" / "build" / f"{build.CONTROL_PLANE.key}.log"
     progress, refusal = said.splitlines()
-    assert progress.startswith("building kube v1.36.3 (once per machine") and str(log) in progress
+    assert progress.startswith("building kube v1.36.3 (once per machine;") and str(log) in progress
     assert code == 2
     assert refusal.startswith(f"make cluster: building kube {build.KUBERNETES_VERSION} failed "
                               "(exit 1): k8s.io/kubernetes@v1.36.3: reading"), said

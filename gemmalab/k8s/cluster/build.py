@@ -134,8 +134,8 @@ def build(program: Program, go: str, log=print) -> Path:
         cwd = module_dir(go, program.module, program.version)
     command = [go, "build", "-o", str(staging / program.name), "-ldflags", ldflags,
                program.package]
-    log(f"building {program.name} {program.version} (once per machine; ~2-6 min each on "
-        f"2 cores), log: {log_file}")
+    log(f"building {program.name} {program.version} (once per machine; all four take ~10 min "
+        f"on 2 cores), log: {log_file}")
     with open(log_file, "w") as out:
         done = subprocess.run(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                               env=_go_env())
