@@ -143,7 +143,10 @@ def _alive(layout: Layout, name: str) -> int | None:
     try:
         pid = int(layout.pid_file(name).read_text())
         command = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError):
+        if not command:  # a zombie, or a process in the middle of its exec (seen under load)
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            return None if state in ("Z", "X") else pid
+    except (OSError, ValueError, IndexError):
         return None
     return pid if layout.root.as_posix().encode() in command else None
 
