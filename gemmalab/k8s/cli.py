@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from urllib3.exceptions import MaxRetryError
+
 from gemmalab.errors import ConfigError
 from gemmalab.k8s import manifests, standard
 from gemmalab.k8s import sweep as sweeps
@@ -203,10 +205,9 @@ def _submit(configs: list[ClusterConfig]) -> int:
     objects = [(config, obj) for config in configs for obj in manifests.build(config)]
     for created in client.submit([obj for _, obj in objects]):
         print(f"created {created}", file=sys.stderr)
-    names = " ".join(config.job_name for config in configs)
-    print(f"watch: python -m gemmalab.k8s watch {names.split()[0]} --namespace "
-          f"{configs[0].namespace}" + (f" (and {names})" if len(configs) > 1 else ""),
-          file=sys.stderr)
+    for config in configs:
+        print(f"watch: python -m gemmalab.k8s watch {config.job_name} --namespace "
+              f"{config.namespace}", file=sys.stderr)
     return 0
 
 
@@ -271,4 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "delete": _delete}[args.command](args)
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
+        return 2
+    except MaxRetryError as e:  # no API server answers where KUBECONFIG says
+        from gemmalab.k8s import client
+
+        print(f"ConfigError: {client.unreachable_message(e)}", file=sys.stderr)
         return 2

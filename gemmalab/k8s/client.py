@@ -35,8 +35,24 @@ def connect(api_client: client.ApiClient | None = None) -> client.ApiClient:
         config.load_incluster_config()
     except config.ConfigException:
         # $KUBECONFIG read now, not when `kubernetes` was imported; None = ~/.kube/config.
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+        path = os.environ.get("KUBECONFIG")
+        try:
+            config.load_kube_config(config_file=path)
+        except (config.ConfigException, OSError) as e:
+            raise ConfigError("KUBECONFIG", f"no cluster credentials in {path or '~/.kube/config'}"
+                              f" ({' '.join(str(e).split())[:200]})",
+                              "export KUBECONFIG=... as `make cluster` prints it, or run `gcloud "
+                              "container clusters get-credentials CLUSTER`") from None
     return client.ApiClient()
+
+
+def unreachable_message(error: Exception) -> str:
+    """One line for urllib3's MaxRetryError: no API server answered where KUBECONFIG says."""
+    host = getattr(getattr(error, "pool", None), "host", None)
+    port = getattr(getattr(error, "pool", None), "port", None)
+    where = f"{host}:{port}" if host else "the API server"
+    return (f"KUBECONFIG: nothing answers at {where} (the cluster is down?). Fix: start it "
+            "(make cluster) or point KUBECONFIG at a running one")
 
 
 def submit(objects: Iterable[Any], namespace: str | None = None, *,

@@ -116,3 +116,32 @@ def test_fake_nodes_look_like_gke_tpu_v6e_node_pools():
     assert host["status"]["capacity"]["google.com/tpu"] == "4"
     assert host["spec"]["taints"] == [{"key": "google.com/tpu", "value": "present",
                                        "effect": "NoSchedule"}]
+
+
+def test_the_command_line_without_a_cluster_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """No credentials, or credentials for a cluster that is down: one line with the fix."""
+    from kubernetes import client as k8s
+
+    from gemmalab.k8s.cli import main
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    assert main(["watch", "run"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert "\n" not in said and said.startswith(
+        f"ConfigError: KUBECONFIG: no cluster credentials in {tmp_path / 'missing'}"), said
+    port = free_port()
+    (tmp_path / "down").write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: c, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u}}]\n")
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "down"))
+    default = k8s.Configuration.get_default_copy()
+    try:
+        assert main(["logs", "run"]) == 2
+    finally:
+        k8s.Configuration.set_default(default)
+    said = capsys.readouterr().err.strip()
+    assert said == (f"ConfigError: KUBECONFIG: nothing answers at 127.0.0.1:{port} (the cluster "
+                    "is down?). Fix: start it (make cluster) or point KUBECONFIG at a running one")
