@@ -184,12 +184,7 @@ def _run_object(job_name: str, namespace: str, api: client.ApiClient) -> dict[st
     return {**api.sanitize_for_serialization(job), "kind": "Job"}
 
 
-def run_outcome(job_name: str, namespace: str = "default", *,
-                api_client: client.ApiClient | None = None) -> RunOutcome | None:
-    """How the run ended, from its JobSet's (else its Job's) conditions, or None while it still
-    waits in a queue, runs or restarts: a pod that failed is not the end of a run its failure
-    policy retries (a preempted host, a JobSet restart). ``NotFound``: neither exists (deleted)."""
-    run = _run_object(job_name, namespace, connect(api_client))
+def _outcome(run: dict[str, Any] | None) -> RunOutcome | None:
     if run is None:
         return RunOutcome("NotFound")
     outcomes = JOBSET_OUTCOMES if run.get("kind") == "JobSet" else JOB_OUTCOMES
@@ -199,12 +194,23 @@ def run_outcome(job_name: str, namespace: str = "default", *,
                  if c.get("status") == "True" and c.get("type") in outcomes), None)
 
 
-def suspended(job_name: str, namespace: str = "default", *,
-              api_client: client.ApiClient | None = None) -> bool:
-    """Whether the run's JobSet (else Job) is suspended: Kueue holds every run it has not
-    admitted suspended, so its pods are not even created."""
+def run_outcome(job_name: str, namespace: str = "default", *,
+                api_client: client.ApiClient | None = None) -> RunOutcome | None:
+    """How the run ended, from its JobSet's (else its Job's) conditions, or None while it still
+    waits in a queue, runs or restarts: a pod that failed is not the end of a run its failure
+    policy retries (a preempted host, a JobSet restart). ``NotFound``: neither exists (deleted)."""
+    return _outcome(_run_object(job_name, namespace, connect(api_client)))
+
+
+def run_state(job_name: str, namespace: str = "default", *,
+              api_client: client.ApiClient | None = None) -> str:
+    """Where a run is now, from one read of its JobSet or Job: ``Queued`` (suspended: Kueue has
+    not admitted it, so it has no pods), ``Running`` (admitted or unqueued, not ended: pods
+    pending, running or restarting), or how it ended (``Succeeded``, ``Failed``, ``NotFound``)."""
     run = _run_object(job_name, namespace, connect(api_client))
-    return bool(run and (run.get("spec") or {}).get("suspend"))
+    if (outcome := _outcome(run)) is not None:
+        return outcome.state
+    return "Queued" if (run.get("spec") or {}).get("suspend") else "Running"
 
 
 def tail_logs(job_name: str, namespace: str = "default", *, tail_lines: int = 50,

@@ -37,21 +37,12 @@ def watch(job_name: str, namespace: str = "default", *, timeout_s: float = 1800,
         time.sleep(poll_s)
 
 
-def run_state(job_name: str, namespace: str = "default", *, api_client: Any = None) -> str:
-    """Where a run is now: ``Queued`` (suspended: Kueue has not admitted it), ``Running``
-    (admitted or unqueued, not ended: pods pending, running or restarting), or how it ended
-    (``Succeeded``, ``Failed``, ``NotFound``)."""
-    outcome = k8s_client.run_outcome(job_name, namespace, api_client=api_client)
-    if outcome is not None:
-        return outcome.state
-    return "Queued" if k8s_client.suspended(job_name, namespace,
-                                            api_client=api_client) else "Running"
-
-
 def run_states(job_names: Iterable[str], namespace: str = "default", *,
                api_client: Any = None) -> dict[str, str]:
-    """``run_state`` of each run (a sweep's points: the notebook adds them to its table)."""
-    return {name: run_state(name, namespace, api_client=api_client) for name in job_names}
+    """``client.run_state`` of each run (a sweep's points: the notebook adds them to its
+    table): Queued, Running, Succeeded, Failed or NotFound."""
+    return {name: k8s_client.run_state(name, namespace, api_client=api_client)
+            for name in job_names}
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

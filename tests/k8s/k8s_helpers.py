@@ -127,3 +127,21 @@ def wait_for(what: str, condition: Callable[[], Any], timeout_s: float = 90,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(poll_s)
+
+
+def with_pods(objects: list[Any], annotations: dict[str, str] | None = None,
+              labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """The objects with these annotations/labels on every pod template (kwok's instructions)."""
+    out = []
+    from gemmalab.k8s.render import to_dict
+
+    for obj in objects:
+        body = to_dict(obj)
+        specs = ([body["spec"]] if body["kind"] == "Job" else
+                 [rj["template"]["spec"] for rj in body["spec"]["replicatedJobs"]])
+        for spec in specs:
+            meta = spec["template"].setdefault("metadata", {})
+            meta.setdefault("annotations", {}).update(annotations or {})
+            meta.setdefault("labels", {}).update(labels or {})
+        out.append(body)
+    return out

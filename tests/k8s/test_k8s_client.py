@@ -8,12 +8,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from k8s_helpers import wait_for
+from k8s_helpers import wait_for, with_pods
 from kubernetes import client as k8s
 
 from gemmalab.k8s import client, manifests
 from gemmalab.k8s.config import ClusterConfig
-from gemmalab.k8s.render import to_dict
 
 pytestmark = pytest.mark.slow
 FAKE_LOG_LAST = ("kwok: on GKE this log holds the training notebook's output "
@@ -22,13 +21,8 @@ DELAY = {"pod-complete.stage.kwok.x-k8s.io/delay": "60s"}  # running while the t
 
 
 def submitted(cluster, namespace: str, name: str, topology: str = "1x1") -> list[str]:
-    [obj] = manifests.build(ClusterConfig(job_name=name, namespace=namespace, topology=topology))
-    body = to_dict(obj)
-    specs = ([body["spec"]] if body["kind"] == "Job" else
-             [rj["template"]["spec"] for rj in body["spec"]["replicatedJobs"]])
-    for spec in specs:
-        spec["template"]["metadata"].setdefault("annotations", {}).update(DELAY)
-    return client.submit([body], api_client=cluster.api)
+    config = ClusterConfig(job_name=name, namespace=namespace, topology=topology)
+    return client.submit(with_pods(manifests.build(config), DELAY), api_client=cluster.api)
 
 
 def test_submit_phases_logs_and_delete(local_cluster, run_namespace):

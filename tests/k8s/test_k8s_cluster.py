@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import yaml
-from k8s_helpers import wait_for
+from k8s_helpers import wait_for, with_pods
 from kubernetes import client as k8s
 
 from gemmalab.errors import ConfigError
@@ -60,22 +60,6 @@ def make_queue(cluster, namespace: str, quota: dict[str, int]) -> str:
                 "kubernetes.io/metadata.name": namespace}}
     cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
     return config.queue
-
-
-def with_pods(objects: list[Any], annotations: dict[str, str] | None = None,
-              labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """The objects with these annotations/labels on every pod template (kwok's instructions)."""
-    out = []
-    for obj in objects:
-        body = to_dict(obj)
-        specs = ([body["spec"]] if body["kind"] == "Job" else
-                 [rj["template"]["spec"] for rj in body["spec"]["replicatedJobs"]])
-        for spec in specs:
-            meta = spec["template"].setdefault("metadata", {})
-            meta.setdefault("annotations", {}).update(annotations or {})
-            meta.setdefault("labels", {}).update(labels or {})
-        out.append(body)
-    return out
 
 
 def workload_admitted(cluster, namespace: str, run: str) -> bool | None:

@@ -150,6 +150,6 @@ def build(program: Program, go: str, log=print) -> Path:
     return target
 
 
-def build_all(log=print) -> dict[str, Path]:
-    go = go_command()
+def build_all(log=print, go: str | None = None) -> dict[str, Path]:
+    go = go or go_command()
     return {program.name: build(program, go, log) for program in PROGRAMS}

@@ -29,6 +29,8 @@ import yaml
 from gemmalab.k8s.cluster import build, nodes, pki
 from gemmalab.k8s.cluster.errors import ClusterError
 
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
+              "jobset", "kueue", "kwok")  # in start order
 DEFAULT_BASE_PORT = 16400
 # Offsets from the base port; every one is bound on 127.0.0.1 only.
 PORT_OFFSETS = {"etcd": 0, "etcd-peer": 1, "kube-apiserver": 2, "kube-controller-manager": 3,
@@ -378,10 +380,6 @@ def running_components(layout: Layout) -> list[str]:
     return [name for name in COMPONENTS if _alive(layout, name) is not None]
 
 
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-              "jobset", "kueue", "kwok")
-
-
 def up(layout: Layout | None = None, log: Callable[[str], None] = print) -> Layout:
     """Build what is missing, start what is not running, and return the cluster's layout."""
     layout = layout or Layout.default()
@@ -396,7 +394,7 @@ def up(layout: Layout | None = None, log: Callable[[str], None] = print) -> Layo
             raise ClusterError("etcd is not installed",
                                "install Debian's etcd-server (sudo apt-get install etcd-server)")
         go = build.go_command()
-        binaries = build.build_all(log)
+        binaries = build.build_all(log, go)
         started = time.monotonic()
         _start_stack(layout, binaries, go, log)
         log(f"cluster up in {time.monotonic() - started:.1f} s")
