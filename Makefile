@@ -93,8 +93,7 @@ interop: $(STAMP) $(INTEROP)/.installed
 # minutes, also on CPUs without bf16 matmul units (16 steps of 15 s there; ~5 s with AMX).
 # papermill's command line, the kernel ended as soon as the last cell is done (gemmalab/headless.py).
 HEADLESS := $(VENV)/bin/python -m gemmalab.headless
-DEMO := -p batch_size 8 -p maxlen 128 -p max_steps 16 \
-	-p embedded_stories 2000 -p max_eval_stories 16 -p eval_every 8
+DEMO := -p recipe demo
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	$(HEADLESS) notebooks/train.ipynb $(DEMO_DIR)/train.ipynb $(DEMO) \
@@ -102,7 +101,7 @@ demo: $(STAMP)
 	@$(VENV)/bin/python -m gemmalab.inspect.summary $(DEMO_DIR)/summary.json
 
 # The tiny preset from random init with a tokenizer trained on the corpus: the quick look.
-TINY := -p model gemma3-tiny -p checkpoint "" -p lora_rank 0 -p max_new_tokens 64
+TINY := -p recipe tiny -p max_new_tokens 64
 DEMO_TINY_DIR ?= runs/demo-tiny
 demo-tiny: $(STAMP)
 	rm -rf $(DEMO_TINY_DIR) && mkdir -p $(DEMO_TINY_DIR)

@@ -59,13 +59,13 @@ def synthetic_batch(case: Case, vocab: int, device_mesh: Any, seed: int = 0) -> 
 
 
 def measure(case: Case, *, steps: int, vocab: int) -> dict[str, Any]:
-    config = TrainConfig(model=case.model, maxlen=case.maxlen, batch_size=case.batch_size,
+    config = TrainConfig.flat(model=case.model, maxlen=case.maxlen, batch_size=case.batch_size,
                          lora_rank=case.lora_rank, tokenizer_vocab_size=vocab,
                          tokenizer="local" if case.model == "gemma3-tiny" else "gemma3")
     device_mesh = mesh.make_mesh()
     model_config = presets.model_config(case.model, plan.vocab_size_hint(config))
     base_model = presets.build_model(model_config, param_dtype=jnp.float32,
-                                     attention=config.attention, mesh=device_mesh)
+                                     attention=config.model.attention, mesh=device_mesh)
     schedule = optimization.learning_rate_schedule(1e-5, 1000, warmup_ratio=0.0, min_lr_ratio=1.0)
     optimizer = optimization.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
                                             max_grad_norm=1.0)

@@ -134,7 +134,7 @@ def aot_table(args: argparse.Namespace) -> None:
             rows = max(1, args.aot_tokens // maxlen)
             cells, temporaries, seconds = {}, {}, {}
             for name in ("gemma", "splash"):
-                config = TrainConfig(model=args.aot_model, tokenizer="gemma3", maxlen=maxlen,
+                config = TrainConfig.flat(model=args.aot_model, tokenizer="gemma3", maxlen=maxlen,
                                      batch_size=rows, compute_dtype="bfloat16", attention=name)
                 try:
                     compiled = plan.compile_plan(config, topology)

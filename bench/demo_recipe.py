@@ -31,7 +31,7 @@ def run_one(name: str, cache_dir: str) -> dict:
 
     started = time.time()
     with tempfile.TemporaryDirectory() as output_dir:
-        config = TrainConfig(checkpoint="embedded:gemma3-270m", batch_size=8, maxlen=128,
+        config = TrainConfig.flat(checkpoint="embedded:gemma3-270m", batch_size=8, maxlen=128,
                              max_steps=30, embedded_stories=2000, max_eval_stories=32,
                              eval_every=0, checkpoint_every=0, output_dir=output_dir,
                              cache_dir=cache_dir, **RECIPES[name])

@@ -35,7 +35,7 @@ from cross_entropy import report  # noqa: E402  (bench/cross_entropy.py, beside 
 
 def as_sft(config: TrainConfig) -> TrainConfig:
     """The same run as SFT (on instruction data: preference data is DPO's alone)."""
-    return TrainConfig(**{**config.to_dict(), "objective": "sft",
+    return TrainConfig.flat(**{**config.to_dict(), "objective": "sft",
                           "data_path": EMBEDDED_INSTRUCTIONS})
 
 
@@ -55,13 +55,13 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as output_dir:
-        config = TrainConfig(objective="dpo", checkpoint=args.checkpoint, model=args.model,
+        config = TrainConfig.flat(objective="dpo", checkpoint=args.checkpoint, model=args.model,
                              lora_rank=args.lora_rank, batch_size=args.batch_size,
                              maxlen=args.maxlen, embedded_stories=args.pairs, max_steps=100,
                              eval_every=0, checkpoint_every=0, output_dir=output_dir)
         experiment = Experiment.prepare(config)
         weights = experiment.weights
-        rows = jax.ShapeDtypeStruct((config.batch_size, config.maxlen), jnp.int32,
+        rows = jax.ShapeDtypeStruct((config.trainer.batch_size, config.data.maxlen), jnp.int32,
                                     sharding=mesh.batch_sharding(experiment.mesh))
         # SFT's step takes LoRA's base, or nothing in full fine-tuning (no reference copy).
         sft_held = weights.frozen
@@ -71,7 +71,7 @@ def main() -> None:
             frozen_shardings=weights.frozen_shardings)
         steps = {"sft": (sft.lower(weights.state, {name: rows for name in packing.FIELDS},
                                    sft_held).compile(), sft_held),
-                 "dpo": (experiment.train_step, weights.held)}
+                 "dpo": (experiment.compile(), weights.frozen)}
         devices = plan.attached_accelerator(list(experiment.mesh.devices.flat))
         configs = {"sft": as_sft(config), "dpo": config}
         adapters = weights.trainable_params if weights.frozen is not None else 0
@@ -97,8 +97,8 @@ def main() -> None:
                 states[name], metrics = compiled(states[name], batch, held)
                 jax.block_until_ready(metrics)
                 times[name].append(time.perf_counter() - started)
-    tuning = f"LoRA r{config.lora_rank}" if config.lora_rank else "full fine-tuning"
-    print(f"{config.model} {config.batch_size} x {config.maxlen}, {tuning}, "
+    tuning = f"LoRA r{config.lora.rank}" if config.lora.rank else "full fine-tuning"
+    print(f"{config.model.preset} {config.trainer.batch_size} x {config.data.maxlen}, {tuning}, "
           f"{args.rounds} alternating rounds")
     report(times)
 

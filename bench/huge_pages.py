@@ -50,14 +50,14 @@ def child(lora_rank: int, maxlen: int, steps: int) -> None:
         experiment = Experiment.prepare(config)
         weights = experiment.weights
         batch = experiment.next_batch()
-        state, metrics = experiment.train_step(weights.state, batch, weights.frozen)
+        state, metrics = experiment.compile()(weights.state, batch, weights.frozen)
         jax.block_until_ready(metrics)
         before = resource.getrusage(resource.RUSAGE_SELF)
         stalls = _compaction_stalls()
         times = []
         for _ in range(steps):
             started = time.perf_counter()
-            state, metrics = experiment.train_step(state, batch, weights.frozen)
+            state, metrics = experiment.compile()(state, batch, weights.frozen)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - started)
         after = resource.getrusage(resource.RUSAGE_SELF)

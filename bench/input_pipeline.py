@@ -141,11 +141,11 @@ def main() -> None:
     from gemmalab.config import TrainConfig
     from gemmalab.data.preparation import prepare_data
 
-    config = TrainConfig(cache_dir=args.cache_dir, maxlen=args.maxlen)
+    config = TrainConfig.flat(cache_dir=args.cache_dir, maxlen=args.maxlen)
     prepared = prepare_data(config)
     split = prepared.cache.train
-    rule = documents.SplitRule(config.eval_fraction, config.max_eval_stories)
-    stories = list(documents.training_stories(prepared.corpus.path, rule, config.datacount))
+    rule = documents.SplitRule(config.data.eval_fraction, config.data.max_eval_stories)
+    stories = list(documents.training_stories(prepared.corpus.path, rule, config.data.datacount))
     windows = packing.WindowSource(split, args.maxlen)
     print(f"embedded corpus: {len(stories):,} train stories, {len(windows):,} windows, "
           f"{windows.num_targets:,} targets; batch {args.batch} x {args.maxlen}; "

@@ -23,7 +23,7 @@ def run_one(settings: dict) -> dict:
     from gemmalab.train.experiment import Experiment
 
     with tempfile.TemporaryDirectory() as output_dir:
-        config = TrainConfig(output_dir=output_dir, tokenize_workers=1, eval_every=0,
+        config = TrainConfig.flat(output_dir=output_dir, tokenize_workers=1, eval_every=0,
                              max_eval_stories=4, embedded_stories=400, checkpoint_every=0,
                              **settings)
         experiment = Experiment.prepare(config)

@@ -72,8 +72,8 @@ def side_by_side(config: TrainConfig, before: contextlib.AbstractContextManager,
         config = dataclasses.replace(config, output_dir=output_dir)
         experiment = Experiment.prepare(config)
         weights = experiment.weights
-        steps = {now: experiment.train_step}
-        rows = jax.ShapeDtypeStruct((config.batch_size, config.maxlen), jnp.int32,
+        steps = {now: experiment.compile()}
+        rows = jax.ShapeDtypeStruct((config.trainer.batch_size, config.data.maxlen), jnp.int32,
                                     sharding=mesh.batch_sharding(experiment.mesh))
         with before:
             step = optimization.make_train_step(
@@ -97,14 +97,14 @@ def side_by_side(config: TrainConfig, before: contextlib.AbstractContextManager,
                 state, metrics = compiled(state, batch, weights.frozen)
                 jax.block_until_ready(metrics)
                 times[name].append(time.perf_counter() - started)
-    training = f"LoRA r{config.lora_rank}" if config.lora_rank else "full fine-tuning"
-    print(f"{config.batch_size} x {config.maxlen}, {training}, {rounds} alternating rounds")
+    training = f"LoRA r{config.lora.rank}" if config.lora.rank else "full fine-tuning"
+    print(f"{config.trainer.batch_size} x {config.data.maxlen}, {training}, {rounds} alternating rounds")
     report(times)
 
 
 def bench_config(**overrides: object) -> TrainConfig:
     """The embedded 270M on its stories, a run long enough never to end while timed."""
-    return TrainConfig(**{"checkpoint": "embedded:gemma3-270m", "embedded_stories": 2000,
+    return TrainConfig.flat(**{"checkpoint": "embedded:gemma3-270m", "embedded_stories": 2000,
                           "max_steps": 100, "eval_every": 0, "checkpoint_every": 0,
                           "max_eval_stories": 8, **overrides})
 

@@ -35,7 +35,7 @@ def worker(config_json: str) -> int:
     from gemmalab.train.experiment import Experiment
     from gemmalab.train.preemption import Preempted
 
-    experiment = Experiment.prepare(TrainConfig(**json.loads(config_json)))
+    experiment = Experiment.prepare(TrainConfig.flat(**json.loads(config_json)))
     try:
         experiment.train(progress=False)
     except Preempted as stop:

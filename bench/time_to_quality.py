@@ -145,21 +145,21 @@ def main() -> None:
     args = parser.parse_args()
 
     workdir = tempfile.mkdtemp(prefix="time_to_quality_")
-    config = TrainConfig(batch_size=args.batch, maxlen=args.maxlen, eval_every=0,
+    config = TrainConfig.flat(batch_size=args.batch, maxlen=args.maxlen, eval_every=0,
                          checkpoint_every=0, resume=False, output_dir=f"{workdir}/run",
                          cache_dir=args.cache_dir)
     lab = Experiment.prepare(config)
-    peak_lr = presets.default_learning_rate(config.model, lora=False)
-    heldout_path = corpus.embedded_corpus_path(config.resolved_cache_dir / "corpus",
-                                               args.heldout, seed=config.seed + 1000)
+    peak_lr = presets.default_learning_rate(config.model.preset, lora=False)
+    heldout_path = corpus.embedded_corpus_path(config.runtime.resolved_cache_dir / "corpus",
+                                               args.heldout, seed=config.trainer.seed + 1000)
     bpb = BitsPerByte(lab.base_model, tutorial_loop.read_stories(str(heldout_path)),
                       lab.tokenizer, maxlen=args.maxlen)
 
-    tutorial_batch = args.tutorial_batch or config.batch_size
+    tutorial_batch = args.tutorial_batch or config.trainer.batch_size
     setup = tutorial_loop.beside(lab, batch_size=tutorial_batch, learning_rate=peak_lr)
     tutorial = Contender("tutorial", tutorial_loop.train_step, setup.next_batch, setup.state,
                          lambda state: state.params, max_steps=10**9, bos=False)
-    print(f"{config.model}, batch {config.batch_size} x {args.maxlen} (tutorial: "
+    print(f"{config.model.preset}, batch {config.trainer.batch_size} x {args.maxlen} (tutorial: "
           f"{tutorial_batch}), peak LR {peak_lr:g}; held out: "
           f"{bpb.stories} stories, {bpb.bytes:,} bytes; gemmalab's schedule: "
           f"{lab.total_steps} steps", flush=True)
@@ -201,7 +201,7 @@ def main() -> None:
 
 def lab_contender(name: str, lab: Experiment) -> Contender:
     """A gemmalab run driven step by step (its compiled step, its prefetched batches)."""
-    step = lab.train_step
+    step = lab.compile()
     return Contender(name, lambda state, batch: step(state, batch, lab.weights.frozen),
                      lab.next_batch, lab.weights.state, lambda state: state.params,
                      max_steps=lab.total_steps, bos=True)

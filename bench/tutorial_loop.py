@@ -85,7 +85,7 @@ def beside(lab: Any, *, batch_size: int, learning_rate: float) -> Beside:
 
     stories = read_stories(lab.data_stats["corpus_path"])
     model = presets.build_model(lab.prepared.model_config, param_dtype=jnp.bfloat16)
-    rows = batches(stories, lab.tokenizer, maxlen=lab.config.maxlen, batch_size=batch_size)
+    rows = batches(stories, lab.tokenizer, maxlen=lab.config.data.maxlen, batch_size=batch_size)
     return Beside(state=init_state(model, lab.weights.state.params, learning_rate),
                   next_batch=lambda: jax.device_put(np.asarray(next(rows), np.int32)),
                   stories=len(stories))

@@ -84,7 +84,7 @@ def prepare(out: Path, cache_dir: Path) -> dict:
         if len(kept) == MAX_DOCUMENTS:
             break
     corpus.write_text("".join(f"{text}\n<|endoftext|>\n" for text in kept), encoding="utf-8")
-    experiment = Experiment.prepare(TrainConfig(
+    experiment = Experiment.prepare(TrainConfig.flat(
         checkpoint="embedded:gemma3-270m", cache_dir=str(cache_dir), data_path=str(corpus),
         lora_rank=RANK, output_dir=str(out / "export-run"), max_steps=1))
     hf_dir = out / "hf"
@@ -116,7 +116,7 @@ def run_gemmalab(out: Path, cache_dir: Path, mode: str, batch: int, maxlen: int,
     from gemmalab.train.experiment import Experiment
 
     with tempfile.TemporaryDirectory() as output_dir:
-        config = TrainConfig(checkpoint="embedded:gemma3-270m", cache_dir=str(cache_dir),
+        config = TrainConfig.flat(checkpoint="embedded:gemma3-270m", cache_dir=str(cache_dir),
                              data_path=str(out / "prose.txt"), batch_size=batch, maxlen=maxlen,
                              lora_rank=RANK if mode == "lora" else 0, lora_alpha=ALPHA,
                              learning_rate=LEARNING_RATE, max_steps=steps + 1, eval_every=0,

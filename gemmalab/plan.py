@@ -246,11 +246,11 @@ def run_steps(config: TrainConfig) -> int | None:
     A gemmalab run takes fewer: it holds out ``eval_fraction`` of the examples, and packing puts
     several short ones in a row.
     """
-    if config.max_steps is not None:
-        return config.max_steps
-    if config.datacount is None:
+    if config.trainer.max_steps is not None:
+        return config.trainer.max_steps
+    if config.data.datacount is None:
         return None
-    return config.num_epochs * math.ceil(config.datacount / config.batch_size)
+    return config.trainer.num_epochs * math.ceil(config.data.datacount / config.trainer.batch_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,13 +387,13 @@ class MemoryPlan:
 
 def vocab_size_hint(config: TrainConfig) -> int:
     """The embedding rows the run will have, known before the tokenizer is loaded."""
-    if config.model == "gemma3-tiny" and config.tokenizer == "local":
-        return config.tokenizer_vocab_size
-    if (config.model == "gemma3-tiny" and config.tokenizer.endswith(".model")
-            and Path(config.tokenizer).is_file()):  # e.g. the local one a continued run saved
+    if config.model.preset == "gemma3-tiny" and config.model.tokenizer == "local":
+        return config.model.tokenizer_vocab_size
+    if (config.model.preset == "gemma3-tiny" and config.model.tokenizer.endswith(".model")
+            and Path(config.model.tokenizer).is_file()):  # e.g. the local one a continued run saved
         import sentencepiece as spm
 
-        return spm.SentencePieceProcessor(model_file=config.tokenizer).vocab_size()
+        return spm.SentencePieceProcessor(model_file=config.model.tokenizer).vocab_size()
     return GEMMA3_VOCAB  # Gemma's tokenizer; the largest a custom one may be for tiny
 
 
@@ -412,12 +412,12 @@ def abstract_params(model_config: Any, param_dtype: str) -> Any:
 def adapter_params(model_config: Any, config: TrainConfig, token_rows: int = 0) -> Any:
     """A LoRA run's trainable tree (its adapters and ``token_rows`` embedding rows), abstract;
     ``{}`` without LoRA."""
-    if not config.lora_rank:
+    if not config.lora.rank:
         return {}
     from gemmalab.model import lora
 
-    return lora.abstract_adapters(model_config, rank=config.lora_rank,
-                                  modules=config.lora_modules, dtype=config.param_dtype,
+    return lora.abstract_adapters(model_config, rank=config.lora.rank,
+                                  modules=config.lora.modules, dtype=config.model.param_dtype,
                                   token_rows=token_rows)
 
 
@@ -432,11 +432,11 @@ def preference_segments_bound(maxlen: int) -> int:
 def resolved_mesh(config: TrainConfig, chips: int) -> dict[str, int]:
     from gemmalab.config import DATA_AXIS, resolve_mesh_shape
 
-    if chips % config.num_slices:
-        raise ConfigError("num_slices", f"{config.num_slices} does not divide {chips} chips",
+    if chips % config.runtime.num_slices:
+        raise ConfigError("num_slices", f"{config.runtime.num_slices} does not divide {chips} chips",
                           "use the number of slices the chips come in")
-    sizes = resolve_mesh_shape(config.mesh, chips // config.num_slices)
-    return {**sizes, DATA_AXIS: sizes[DATA_AXIS] * config.num_slices}
+    sizes = resolve_mesh_shape(config.runtime.mesh, chips // config.runtime.num_slices)
+    return {**sizes, DATA_AXIS: sizes[DATA_AXIS] * config.runtime.num_slices}
 
 
 def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
@@ -444,7 +444,7 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
     """The analytic plan: instant, no accelerator needed. ``price_per_chip_hour``: what one chip
     costs an hour, for the roofline's run cost.
 
-    With ``config.objective == "dpo"`` the step also runs the reference model forward (no
+    With ``config.trainer.objective == "dpo"`` the step also runs the reference model forward (no
     backward pass through it). Full fine-tuning holds its weights, a compute-dtype copy of the
     starting weights sharded like the params: the breakdown's ``"reference"``; with LoRA the
     reference is the frozen base already in ``"params"``, nothing more. Its forward pass adds its
@@ -463,16 +463,16 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
     sizes = resolved_mesh(config, accelerator.chips)
     abstract_mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
     data_ways = sizes[DATA_AXIS] * sizes[FSDP_AXIS]
-    if config.batch_size % (data_ways * config.grad_accum_steps):
-        raise ConfigError("batch_size", f"{config.batch_size} rows do not split over "
-                          f"{data_ways} data-parallel ways x {config.grad_accum_steps} "
+    if config.trainer.batch_size % (data_ways * config.trainer.grad_accum_steps):
+        raise ConfigError("batch_size", f"{config.trainer.batch_size} rows do not split over "
+                          f"{data_ways} data-parallel ways x {config.trainer.grad_accum_steps} "
                           f"micro-batches (mesh {sizes})",
-                          f"use a multiple of {data_ways * config.grad_accum_steps}")
+                          f"use a multiple of {data_ways * config.trainer.grad_accum_steps}")
     vocab = vocab_size_hint(config)
-    model_config = presets.model_config(config.model, vocab, config.num_layers)
-    params = abstract_params(model_config, config.param_dtype)
-    p_size = np.dtype(config.param_dtype).itemsize
-    c_size = np.dtype(jax.numpy.dtype(config.compute_dtype)).itemsize
+    model_config = presets.model_config(config.model.preset, vocab, config.model.num_layers)
+    params = abstract_params(model_config, config.model.param_dtype)
+    p_size = np.dtype(config.model.param_dtype).itemsize
+    c_size = np.dtype(jax.numpy.dtype(config.model.compute_dtype)).itemsize
 
     shards = {}  # module (embedder, layer_0, ...) -> elements one device holds
     gathered = {}  # module -> elements after the fsdp all-gather (weights split over fsdp)
@@ -491,45 +491,45 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
     # Without LoRA every weight trains; with it the adapters (replicated) train and the base
     # weights are held once, frozen, in the compute dtype.
     adapters = sum(leaf.size for leaf in jax.tree.leaves(adapter_params(model_config, config)))
-    trained = adapters if config.lora_rank else sum(shards.values())
-    base_size = c_size if config.lora_rank else p_size
+    trained = adapters if config.lora.rank else sum(shards.values())
+    base_size = c_size if config.lora.rank else p_size
     weights = trained * p_size
-    accumulating = config.grad_accum_steps > 1
-    dpo = config.objective == "dpo"
+    accumulating = config.trainer.grad_accum_steps > 1
+    dpo = config.trainer.objective == "dpo"
     # Full fine-tuning DPO's reference: the starting weights in the compute dtype, cut like the
     # params (LoRA's reference is its frozen base, counted in "params").
-    reference = {"reference": sum(shards.values()) * c_size} if dpo and not config.lora_rank \
+    reference = {"reference": sum(shards.values()) * c_size} if dpo and not config.lora.rank \
         else {}
     breakdown = {
-        "params": (sum(shards.values()) * c_size + weights) if config.lora_rank else weights,
+        "params": (sum(shards.values()) * c_size + weights) if config.lora.rank else weights,
         **reference,
         "optimizer": 2 * weights,  # AdamW's two moments, in the params' dtype
         # Gradients of the compute-dtype weights, all alive for the global-norm clip; a
         # master-dtype accumulator besides them when micro-batches are summed.
         "gradients": trained * c_size + (weights if accumulating else 0),
-        "weight_copies": (_weight_copy_bytes(shards, gathered, config.remat, base_size, c_size)
+        "weight_copies": (_weight_copy_bytes(shards, gathered, config.model.remat, base_size, c_size)
                           + (_reference_gather_bytes(gathered, c_size) if reference else 0)),
         "activations": _activation_bytes(model_config, sizes, config, c_size,
                                          splash=_runs_splash(config, accelerator)),
         "logits": _logits_bytes(config, sizes, vocab, data_ways),
-        "batch": BATCH_FIELD_COUNT * 4 * config.batch_size // data_ways * config.maxlen,
+        "batch": BATCH_FIELD_COUNT * 4 * config.trainer.batch_size // data_ways * config.data.maxlen,
         # The compiled program itself: 0.27-0.48 GiB in the compiled steps of docs/scaling.md.
         "code": 0 if accelerator.platform == "cpu" else int(0.4 * GIB),
     }
     return MemoryPlan(
-        method="analytic", model=config.model, accelerator=accelerator, mesh=sizes,
-        batch_size=config.batch_size, maxlen=config.maxlen,
-        grad_accum_steps=config.grad_accum_steps, remat=config.remat,
-        param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
+        method="analytic", model=config.model.preset, accelerator=accelerator, mesh=sizes,
+        batch_size=config.trainer.batch_size, maxlen=config.data.maxlen,
+        grad_accum_steps=config.trainer.grad_accum_steps, remat=config.model.remat,
+        param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
         breakdown=breakdown,
         flops_per_step=model_flops(model_config, num_params, config, adapters=adapters),
-        num_params=num_params + adapters, lora_rank=config.lora_rank,
-        trainable_params=adapters if config.lora_rank else num_params,
+        num_params=num_params + adapters, lora_rank=config.lora.rank,
+        trainable_params=adapters if config.lora.rank else num_params,
         traffic=_traffic_bytes(model_config, config, sizes, accelerator, shards=shards,
                                used=used, trained=trained, p_size=p_size, c_size=c_size,
                                vocab=vocab),
         run_steps=run_steps(config), price_per_chip_hour=price_per_chip_hour,
-        objective=config.objective)
+        objective=config.trainer.objective)
 
 
 def _ways(axis: Any, sizes: dict[str, int]) -> int:
@@ -569,7 +569,7 @@ def _reference_gather_bytes(gathered: dict[str, int], c_size: int) -> int:
 def _runs_splash(config: TrainConfig, accelerator: Accelerator) -> bool:
     from gemmalab.model import attention
 
-    return attention.resolve(config.attention, accelerator.platform) == "splash"
+    return attention.resolve(config.model.attention, accelerator.platform) == "splash"
 
 
 def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainConfig,
@@ -578,7 +578,7 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
 
     ``splash``: attention by the splash kernel (gemmalab.model.attention), which keeps no scores.
 
-    DPO (``config.objective``): the reference's forward pass runs after the policy's forward and
+    DPO (``config.trainer.objective``): the reference's forward pass runs after the policy's forward and
     before its backward (the loss needs both), so its working set (one block, one logits chunk)
     is alive with what the backward pass keeps but not with the backward's own working set,
     which is larger: it adds nothing here but its output, the final hidden states (one row of
@@ -588,8 +588,8 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
     counted whole (all chunks at once).
     """
     d, hd, heads, kv_heads, ffw = _block_dims(model_config, sizes)
-    length = config.maxlen
-    rows = config.batch_size // (sizes["data"] * sizes["fsdp"] * config.grad_accum_steps)
+    length = config.data.maxlen
+    rows = config.trainer.batch_size // (sizes["data"] * sizes["fsdp"] * config.trainer.grad_accum_steps)
     tokens = rows * length
     # Per token of one block, what XLA keeps for the backward pass (calibrated against the
     # compiled step, docs/scaling.md): the block input, q/k/v, the attention output, the gated
@@ -603,11 +603,11 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
     kept = {"none": block,
             # the weight matmuls' outputs: q, k, v, attention output, gate and up, down
             "dots": (2 * d + (heads + 2 * kv_heads) * hd + 2 * ffw) * c_size,
-            "full": d * c_size}[config.remat]
+            "full": d * c_size}[config.model.remat]
     layers = model_config.num_layers
-    working = 0 if config.remat == "none" else block  # one block recomputed at a time
+    working = 0 if config.model.remat == "none" else block  # one block recomputed at a time
     preference = 0
-    if config.objective == "dpo":  # the reference's hidden states; the segments' one-hot
+    if config.trainer.objective == "dpo":  # the reference's hidden states; the segments' one-hot
         preference = d * c_size + preference_segments_bound(length) * 4
     return tokens * (layers * kept + working + block + 4 * d * c_size + preference)
 
@@ -628,8 +628,8 @@ def _loss_chunks(config: TrainConfig, vocab: int) -> int:
     1: the whole micro-batch's logits at once, kept for the backward pass."""
     from gemmalab.model.cross_entropy import LOSS_CHUNK_LOGITS
 
-    span = max(1, LOSS_CHUNK_LOGITS // vocab // (config.batch_size // config.grad_accum_steps))
-    return 1 if span >= config.maxlen else -(-config.maxlen // span)
+    span = max(1, LOSS_CHUNK_LOGITS // vocab // (config.trainer.batch_size // config.trainer.grad_accum_steps))
+    return 1 if span >= config.data.maxlen else -(-config.data.maxlen // span)
 
 
 def _traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int],
@@ -662,9 +662,9 @@ def _traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int]
     """
     from gemmalab.model import attention
 
-    accum = config.grad_accum_steps
-    lora = bool(config.lora_rank)
-    passes = 2 + (config.remat != "none")
+    accum = config.trainer.grad_accum_steps
+    lora = bool(config.lora.rank)
+    passes = 2 + (config.model.remat != "none")
     chunks = _loss_chunks(config, vocab)
     embedding = used.get("embedder", 0)
     blocks = sum(n for module, n in used.items() if module != "embedder")
@@ -677,18 +677,18 @@ def _traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int]
     if not lora and chunks > 1:  # the embedding's gradient, read and written by every chunk
         gradients += 2 * accum * (chunks - 1) * embedding * c_size
     d, hd, heads, kv_heads, ffw = _block_dims(model_config, sizes)
-    tokens = config.batch_size // (sizes[DATA_AXIS] * sizes[FSDP_AXIS] * accum) * config.maxlen
+    tokens = config.trainer.batch_size // (sizes[DATA_AXIS] * sizes[FSDP_AXIS] * accum) * config.data.maxlen
     block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw) * c_size
-    impl = attention.resolve(config.attention, accelerator.platform)
+    impl = attention.resolve(config.model.attention, accelerator.platform)
     if impl == "gemma" or (impl == "dot_product" and accelerator.platform != "gpu"):
-        block += heads * config.maxlen * 2 * 4  # float32 scores and probabilities
-    kept_input = 2 * d * c_size if config.remat == "full" else 0
+        block += heads * config.data.maxlen * 2 * 4  # float32 scores and probabilities
+    kept_input = 2 * d * c_size if config.model.remat == "full" else 0
     activations = accum * tokens * model_config.num_layers * (2 * block + kept_input)
     vocab_shard = vocab // sizes["tensor"] if vocab % sizes["tensor"] == 0 else vocab
     logits = accum * tokens * vocab_shard * c_size * (6 if chunks > 1 and not lora else 5)
     traffic = {"weights": weights, "gradients": gradients, "optimizer": 6 * trained * p_size,
                "activations": activations, "logits": logits}
-    if config.objective == "dpo":
+    if config.trainer.objective == "dpo":
         traffic["reference"] = accum * (
             (blocks + chunks * embedding) * c_size
             + tokens * model_config.num_layers * 2 * block
@@ -701,7 +701,7 @@ def _logits_bytes(config: TrainConfig, sizes: dict[str, int], vocab: int, data_w
     gradient (as compiled, docs/scaling.md)."""
     from gemmalab.model.cross_entropy import LOSS_CHUNK_LOGITS
 
-    tokens = config.batch_size // config.grad_accum_steps * config.maxlen
+    tokens = config.trainer.batch_size // config.trainer.grad_accum_steps * config.data.maxlen
     chunk = max(1, min(tokens, LOSS_CHUNK_LOGITS // vocab))
     vocab_shard = vocab // sizes["tensor"] if vocab % sizes["tensor"] == 0 else vocab
     return 6 * -(-chunk // data_ways) * vocab_shard
@@ -724,14 +724,14 @@ def model_flops(model_config: Any, num_params: int, config: TrainConfig, *,
     weight costs 4 (forward, and the gradient through it; none for itself) and each adapter
     weight 6.
 
-    DPO (``config.objective == "dpo"``) adds the reference model's forward pass: 2 more per base
+    DPO (``config.trainer.objective == "dpo"``) adds the reference model's forward pass: 2 more per base
     weight (``num_params``: 8 in full fine-tuning, 6 with LoRA; the reference runs no adapters)
     and attention's forward products (16 instead of 12)."""
-    tokens = config.batch_size * config.maxlen
-    dpo = config.objective == "dpo"
+    tokens = config.trainer.batch_size * config.data.maxlen
+    dpo = config.trainer.objective == "dpo"
     attention = ((16 if dpo else 12) * model_config.num_layers * model_config.num_heads
-                 * model_config.head_dim * config.maxlen)
-    per_weight = (4 if config.lora_rank else 6) + (2 if dpo else 0)
+                 * model_config.head_dim * config.data.maxlen)
+    per_weight = (4 if config.lora.rank else 6) + (2 if dpo else 0)
     return float(tokens * (per_weight * num_params + 6 * adapters + attention))
 
 
@@ -744,14 +744,14 @@ def suggest_fit(config: TrainConfig, accelerator: Accelerator) -> tuple[dict[str
     """The first change that fits, and its plan, trying more micro-batches, then full remat,
     then both again with fsdp over every chip; None if nothing on this many chips does."""
     candidates: list[dict[str, Any]] = []
-    for mesh_shape in (config.mesh, {"fsdp": -1}):
+    for mesh_shape in (config.runtime.mesh, {"fsdp": -1}):
         # Not "dots": compiled for TPU it saved nothing over "none" (docs/scaling.md).
-        for remat in dict.fromkeys((config.remat, "full")):
-            accum = config.grad_accum_steps
+        for remat in dict.fromkeys((config.model.remat, "full")):
+            accum = config.trainer.grad_accum_steps
             while True:
                 candidates.append({"mesh": mesh_shape, "remat": remat, "grad_accum_steps": accum})
                 accum *= 2
-                if accum > config.batch_size:
+                if accum > config.trainer.batch_size:
                     break
     for change in candidates:
         candidate = dataclasses.replace(config, **change)
@@ -767,7 +767,7 @@ def suggest_fit(config: TrainConfig, accelerator: Accelerator) -> tuple[dict[str
 def layouts(config: TrainConfig, accelerator: Accelerator) -> list[MemoryPlan]:
     """The run's plan under its own mesh and under fsdp over every chip, each remat policy."""
     plans = []
-    for mesh_shape in _unique([config.mesh, {"fsdp": -1}]):
+    for mesh_shape in _unique([config.runtime.mesh, {"fsdp": -1}]):
         for remat in REMAT_POLICIES:
             try:
                 plans.append(estimate(dataclasses.replace(config, mesh=mesh_shape, remat=remat),
@@ -804,7 +804,7 @@ def fit_table(kind: str = "v6e", chip_counts: tuple[int, ...] = (1, 4, 8, 16, 32
             for chips in chip_counts:
                 shape = TOPOLOGIES[kind][chips] if kind in TOPOLOGIES else chips
                 accelerator = parse_accelerator(f"{kind}:{shape}")
-                config = TrainConfig(model=model, tokenizer="gemma3", maxlen=maxlen,
+                config = TrainConfig.flat(model=model, tokenizer="gemma3", maxlen=maxlen,
                                      batch_size=max(batch_size, chips), lora_rank=lora_rank)
                 first = estimate(config, accelerator)
                 found = (({}, first) if first.fits else suggest_fit(config, accelerator))
@@ -815,7 +815,7 @@ def fit_table(kind: str = "v6e", chip_counts: tuple[int, ...] = (1, 4, 8, 16, 32
                 else:
                     frugal = estimate(dataclasses.replace(
                         config, mesh={"fsdp": -1}, remat="full",
-                        grad_accum_steps=config.batch_size // chips), accelerator)
+                        grad_accum_steps=config.trainer.batch_size // chips), accelerator)
                     row[f"{chips} chips"] = f"no ({frugal.per_device_bytes / GIB:.0f} GiB)"
             rows.append(row)
     return rows
@@ -862,7 +862,7 @@ def require_fits(config: TrainConfig, accelerator: Accelerator) -> MemoryPlan:
     where = (f"{accelerator.kind} device" if accelerator.platform != "cpu"
              else "CPU device (host memory shared by the local devices)")
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in plan.breakdown.items() if v >= GIB / 10)
-    problem = (f"{config.model} needs ~{plan.per_device_bytes / GIB:.1f} GiB per device ({parts}) "
+    problem = (f"{config.model.preset} needs ~{plan.per_device_bytes / GIB:.1f} GiB per device ({parts}) "
                f"but a {where} has {plan.usable_bytes / GIB:.1f} GiB usable")
     override = "or set check_memory=False to run anyway"
     found = suggest_fit(config, accelerator)
@@ -1000,7 +1000,7 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             print("| " + " | ".join(str(v) for v in row.values()) + " |")
         return
-    config = TrainConfig(model=args.model, mesh=json.loads(args.mesh) if args.mesh else None,
+    config = TrainConfig.flat(model=args.model, mesh=json.loads(args.mesh) if args.mesh else None,
                          batch_size=args.batch_size, maxlen=args.maxlen, remat=args.remat,
                          grad_accum_steps=args.grad_accum_steps, lora_rank=args.lora_rank,
                          lora_modules=args.lora_modules, objective=args.objective,

@@ -1,20 +1,87 @@
 import pytest
 
-from gemmalab.config import TrainConfig, refuse_unknown_parameters
+from gemmalab import recipes
+from gemmalab.config import (
+    FLAT_NAMES,
+    CheckpointConfig,
+    DataConfig,
+    DPOConfig,
+    LoRAConfig,
+    TrainConfig,
+    TrainerConfig,
+    refuse_unknown_parameters,
+)
 from gemmalab.errors import ConfigError
 
 
 def test_defaults_are_valid_and_round_trip():
     config = TrainConfig()
     assert TrainConfig.from_dict(config.to_dict()) == config
-    assert config.maxlen == 256 and config.packing
+    assert config.data.maxlen == 256 and config.data.packing
 
 
-def test_the_batch_defaults_to_the_models():
-    assert TrainConfig().batch_size == 16  # gemma3-tiny: fastest to a given quality on CPUs
-    assert TrainConfig(model="gemma3-270m").batch_size == 64
-    assert TrainConfig(model="gemma3-270m", batch_size=128).batch_size == 128
-    assert TrainConfig.from_dict(TrainConfig().to_dict()).batch_size == 16
+def test_the_config_is_a_value_of_groups_with_one_flat_mapping():
+    config = TrainConfig.flat(lora_rank=8, lora_alpha=16.0, dpo_beta=0.2, objective="dpo",
+                              checkpoint_every=5, data_path="embedded:preferences")
+    assert (config.lora.rank, config.lora.alpha, config.dpo.beta, config.checkpoints.every,
+            config.data.path) == (8, 16.0, 0.2, 5, "embedded:preferences")
+    assert config.to_dict()["lora_alpha"] == 16.0 and set(config.to_dict()) == set(FLAT_NAMES)
+    assert TrainConfig.from_dict(config.to_dict()) == config
+    assert config.replace(maxlen=64).data.maxlen == 64 and config.data.maxlen == 256
+    # Built from groups, the same value.
+    assert TrainConfig(lora=LoRAConfig(rank=8, alpha=16.0), dpo=DPOConfig(beta=0.2),
+                       trainer=TrainerConfig(objective="dpo"),
+                       checkpoints=CheckpointConfig(every=5),
+                       data=DataConfig(path="embedded:preferences")) == config
+
+
+def test_the_constructor_reads_no_file_and_decides_nothing(tmp_path, monkeypatch):
+    """The same literal config is the same value anywhere: what it leaves open stays open
+    (gemmalab.weights.resolution decides it), whatever lies on disk."""
+    (tmp_path / "summary.json").write_text('{"params": {"model": "gemma3-1b"}}')
+    (tmp_path / "params").mkdir()
+    monkeypatch.setattr("builtins.open", None)  # any file read would fail
+    config = TrainConfig.flat(checkpoint=str(tmp_path / "params"))
+    assert (config.model.preset, config.model.tokenizer, config.model.num_layers,
+            config.trainer.batch_size, config.data.path) == (None, None, None, None, "")
+    assert not config.is_resolved
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"lora_alpha": 16.0}, "lora_alpha: is set but LoRA is off (lora_rank=0). Fix: set "
+                           "lora_rank > 0 to train adapters, or leave lora_alpha unset"),
+    ({"lora_modules": "mlp"}, "lora_modules: is set but LoRA is off"),
+    ({"lora_train_tokens": []}, "lora_train_tokens: is set but LoRA is off"),
+    ({"dpo_beta": 0.5}, "dpo_beta: is set but the objective is not DPO (objective='sft'). "
+                        "Fix: set objective='dpo', or leave dpo_beta unset"),
+    ({"dpo_rpo_alpha": 1.0}, "dpo_rpo_alpha: is set but the objective is not DPO"),
+])
+def test_a_features_fields_set_while_it_is_off_are_refused(values, message):
+    with pytest.raises(ConfigError) as raised:
+        TrainConfig.flat(**values)
+    assert str(raised.value).startswith(message)
+    TrainConfig.flat(lora_rank=4, objective="dpo", **values)  # on: accepted
+
+
+def test_a_recipe_is_the_base_of_a_notebooks_parameters():
+    demo = TrainConfig.from_parameters({"recipe": "demo"})
+    assert demo == TrainConfig.flat(**recipes.RECIPES["demo"])
+    assert (demo.model.checkpoint, demo.lora.rank, demo.trainer.max_steps) == (
+        "embedded:gemma3-270m", 8, 16)
+    # A field given beside the recipe wins over it.
+    assert TrainConfig.from_parameters({"recipe": "demo", "lora_rank": 16}).lora.rank == 16
+    assert TrainConfig.from_parameters({"recipe": ""}) == TrainConfig()
+    assert TrainConfig.from_parameters({"recipe": "tiny"}).replace(
+        output_dir="runs/latest") == TrainConfig()
+    with pytest.raises(ConfigError, match="^recipe: unknown recipe 'demo2'. Fix: use one of "
+                       "demo, tiny, tutorial"):
+        TrainConfig.from_parameters({"recipe": "demo2"})
+
+
+def test_every_recipe_is_a_valid_config():
+    for name in recipes.RECIPES:
+        config = TrainConfig.from_parameters({"recipe": name})
+        assert set(recipes.RECIPES[name].items()) <= set(config.to_dict().items()), name
 
 
 @pytest.mark.parametrize(
@@ -43,7 +110,7 @@ def test_the_batch_defaults_to_the_models():
 )
 def test_bad_values_name_the_parameter(field, value):
     with pytest.raises(ConfigError) as error:
-        TrainConfig(**{field: value})
+        TrainConfig.flat(**{field: value})
     message = str(error.value)
     assert message.startswith(f"{field}: ")
     assert "Fix: " in message
@@ -66,9 +133,9 @@ def test_from_parameters_takes_every_field_among_a_notebooks_variables():
     namespace = {"model": "gemma3-tiny", "compute_dtype": "float32", "warmup_ratio": 0.2,
                  "prompt": "not a field", "In": [], "profile_dir": "x"}
     config = TrainConfig.from_parameters(namespace, output_dir="runs/p")
-    assert (config.compute_dtype, config.warmup_ratio, config.output_dir) == (
+    assert (config.model.compute_dtype, config.optimizer.warmup_ratio, config.runtime.output_dir) == (
         "float32", 0.2, "runs/p")
-    assert config.maxlen == TrainConfig().maxlen  # not given: the dataclass default
+    assert config.data.maxlen == TrainConfig().data.maxlen  # not given: the dataclass default
     with pytest.raises(ConfigError, match="^compute_dtype: unknown dtype"):
         TrainConfig.from_parameters({"compute_dtype": "fp8"})
 
@@ -84,7 +151,7 @@ def test_a_misspelt_papermill_parameter_is_refused_naming_the_field_it_meant():
         return {"In": cells, "lora_rank": 4, "prompt": "y", "max_step": 3, "modle": "x"}
 
     config = TrainConfig.from_parameters(namespace('lora_rank = 4\nprompt = "y"\nhistory = 1'))
-    assert config.lora_rank == 4  # fields, the notebook's own names and its later cells' pass
+    assert config.lora.rank == 4  # fields, the notebook's own names and its later cells' pass
     with pytest.raises(ConfigError, match=r"^max_step: was passed to papermill but is neither "
                        r"a training parameter nor one of this notebook's\. Fix: did you mean "
                        r"max_steps\?$"):
@@ -92,9 +159,8 @@ def test_a_misspelt_papermill_parameter_is_refused_naming_the_field_it_meant():
     with pytest.raises(ConfigError, match=r"^zzz: .* Fix: use a gemmalab.config.TrainConfig"):
         TrainConfig.from_parameters(namespace("zzz = 3"))
     # Outside papermill (no injected cell, or no IPython history): nothing to check.
-    assert TrainConfig.from_parameters({"In": ["", own], "max_step": 3}).max_steps == (
-        TrainConfig().max_steps)
-    assert TrainConfig.from_parameters({"max_step": 3}).max_steps == TrainConfig().max_steps
+    assert TrainConfig.from_parameters({"In": ["", own], "max_step": 3}) == TrainConfig()
+    assert TrainConfig.from_parameters({"max_step": 3}) == TrainConfig()
 
 
 def test_a_notebook_without_a_config_refuses_names_that_are_not_its_own():
@@ -113,72 +179,11 @@ def test_a_notebook_without_a_config_refuses_names_that_are_not_its_own():
     refuse_unknown_parameters({})  # not in IPython
 
 
-def test_the_model_and_tokenizer_follow_the_checkpoint(tmp_path):
-    embedded = TrainConfig(checkpoint="embedded:gemma3-270m")
-    assert (embedded.model, embedded.tokenizer) == ("gemma3-270m", "gemma3")
-    assert TrainConfig(checkpoint="GEMMA3_1B_PT").model == "gemma3-1b"
-    assert TrainConfig().model == "gemma3-tiny" and TrainConfig().tokenizer == "local"
-    gguf_file = str(tmp_path / "model.gguf")
-    assert TrainConfig(model="gemma3-270m", checkpoint=gguf_file).tokenizer == gguf_file
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "tokenizer.model").write_bytes(b"")
-    assert TrainConfig(model="gemma3-270m", checkpoint=str(tmp_path / "hf")).tokenizer == \
-        str(tmp_path / "hf" / "tokenizer.model")
-
-
-def test_a_local_tokenizer_with_a_pretrained_checkpoint_is_refused():
-    with pytest.raises(ConfigError) as error:
-        TrainConfig(checkpoint="embedded:gemma3-270m", tokenizer="local")
-    assert str(error.value).startswith("tokenizer: a tokenizer trained on the corpus")
-    assert "\n" not in str(error.value)
-
-
-def test_a_runs_params_come_with_the_tokenizer_that_run_saved(tmp_path):
-    """A continuing run (DPO after SFT) reads the very tokenizer saved beside the params: a
-    'local' one would otherwise be trained again on the new run's data, another vocabulary."""
-    import json
-
-    run = tmp_path / "sft"
-    (run / "params").mkdir(parents=True)
-    (run / "summary.json").write_text(json.dumps({"params": {"tokenizer": "local"}}))
-    assert TrainConfig(checkpoint=str(run / "params")).tokenizer == "local"
-    (run / "tokenizer.model").write_bytes(b"sentencepiece")
-    assert TrainConfig(checkpoint=str(run / "params")).tokenizer == str(run / "tokenizer.model")
-
-
-def test_a_runs_params_name_the_model_that_run_trained(tmp_path):
-    import json
-
-    run = tmp_path / "sft"
-    (run / "params").mkdir(parents=True)
-    (run / "summary.json").write_text(json.dumps({"params": {"model": "gemma3-270m",
-                                                             "tokenizer": "gemma3"}}))
-    config = TrainConfig(checkpoint=str(run / "params"))
-    assert config.model == "gemma3-270m" and config.tokenizer == "gemma3"
-
-
-def test_a_cut_model_trains_from_random_init_or_from_its_own_runs_params(tmp_path):
-    """num_layers cuts the preset: no pretrained checkpoint holds such a model, a cut run's
-    params do (and bring their depth along, as they bring their model)."""
-    import json
-
-    with pytest.raises(ConfigError, match="^num_layers: a cut model .*Fix: leave num_layers None"):
-        TrainConfig(checkpoint="embedded:gemma3-270m", num_layers=2)
-    run = tmp_path / "cut"
-    (run / "params").mkdir(parents=True)
-    (run / "summary.json").write_text(json.dumps({"params": {"model": "gemma3-tiny",
-                                                             "num_layers": 2}}))
-    assert TrainConfig(checkpoint=str(run / "params")).num_layers == 2
-    assert TrainConfig(checkpoint=str(run / "params"), num_layers=2).num_layers == 2
-    with pytest.raises(ConfigError, match="^num_layers: "):
-        TrainConfig(checkpoint=str(run / "params"), num_layers=3)
-
-
 @pytest.mark.parametrize("output_dir", ["runs/[exp1]", "runs/lr-*", "runs/a?b"])
 def test_an_output_dir_with_glob_wildcards_is_refused(output_dir):
     # Orbax globs under the path for a checkpoint's parts: such a run saved unreadable params.
     with pytest.raises(ConfigError, match="^output_dir: .* cannot be read back"):
-        TrainConfig(output_dir=output_dir)
+        TrainConfig.flat(output_dir=output_dir)
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -195,7 +200,7 @@ def test_an_output_dir_with_glob_wildcards_is_refused(output_dir):
                                       "finite number"),
     ({"weight_decay": float("nan")}, "weight_decay: nan is not a finite number. Fix: use a "
                                      "finite number"),
-    ({"lora_train_tokens": "<end_of_turn>"}, "lora_train_tokens: '<end_of_turn>' is not a "
+    ({"lora_rank": 8, "lora_train_tokens": "<end_of_turn>"}, "lora_train_tokens: '<end_of_turn>' is not a "
      "list. Fix: give a list (papermill: -y 'lora_train_tokens: [...]')"),
     ({"adam_b1": 1.0}, "adam_b1: 1.0 is outside [0, 1). Fix: use e.g. 0.9"),
     ({"adam_b2": 1.5}, "adam_b2: 1.5 is outside [0, 1). Fix: use e.g. 0.95"),
@@ -205,22 +210,23 @@ def test_a_value_of_the_wrong_type_or_range_is_refused_by_name(values, message):
     """papermill passes `-p resume false` as text (truthy) and `-p max_steps 2.0` as a float:
     each field's annotation is checked before anything compares or computes with it."""
     with pytest.raises(ConfigError) as raised:
-        TrainConfig(model="gemma3-tiny", **values)
+        TrainConfig.flat(model="gemma3-tiny", **values)
     assert str(raised.value) == message
 
 
 def test_values_of_the_right_kind_pass_as_json_and_numpy_give_them():
     import numpy as np
 
-    config = TrainConfig(model="gemma3-tiny", learning_rate=1, max_steps=np.int64(3),
-                         lora_train_tokens=("<end_of_turn>",), mesh={"data": -1}, datacount=None)
-    assert (config.learning_rate, config.max_steps, config.lora_train_tokens) == (
-        1, 3, ["<end_of_turn>"])
+    config = TrainConfig.flat(model="gemma3-tiny", learning_rate=1, max_steps=np.int64(3),
+                              lora_rank=8, lora_train_tokens=("<end_of_turn>",),
+                              mesh={"data": -1}, datacount=None)
+    assert (config.optimizer.learning_rate, config.trainer.max_steps, config.lora.train_tokens,
+            config.to_dict()["lora_train_tokens"]) == (1, 3, ("<end_of_turn>",), ["<end_of_turn>"])
 
 
 def test_a_datacount_that_holds_nothing_out_is_refused_at_once():
     with pytest.raises(ConfigError, match=r"^datacount: 30 stories hold none out for evaluation "
                        r"\(one in 50 is, eval_fraction=0\.02\)\. Fix: use datacount >= 50, or "
                        r"eval_fraction >= 0\.0333$"):
-        TrainConfig(model="gemma3-tiny", datacount=30)
-    assert TrainConfig(model="gemma3-tiny", datacount=50).datacount == 50
+        TrainConfig.flat(model="gemma3-tiny", datacount=30)
+    assert TrainConfig.flat(model="gemma3-tiny", datacount=50).data.datacount == 50

@@ -118,9 +118,9 @@ def test_lab_serves_the_notebooks_and_runs_them_in_the_project_kernel(lab):
     kernel = lab.post("/api/kernels", {"name": "gemmalab"})
     output = execute(lab, kernel["id"], parameters["source"] + "\n"
                      "import sys, gemmalab.config\n"
-                     "config = gemmalab.config.TrainConfig(model=model, checkpoint=checkpoint,\n"
+                     "config = gemmalab.config.TrainConfig.flat(model=model, checkpoint=checkpoint,\n"
                      "                                     batch_size=batch_size)\n"
-                     "print(config.model, config.tokenizer, sys.version_info[:2] == (3, 12))")
+                     "print(config.model.preset, config.model.tokenizer, sys.version_info[:2] == (3, 12))")
     # The embedded pretrained base: its preset and its own (Gemma 3) vocabulary.
     assert output.split() == ["gemma3-270m", "gemma3", "True"]
 

@@ -47,7 +47,7 @@ def test_bad_accelerators_are_one_line_errors(spec, fragment):
 def _tiny(**overrides):
     values = dict(model="gemma3-tiny", tokenizer_vocab_size=600, batch_size=16, maxlen=64,
                   compute_dtype="float32")
-    return TrainConfig(**{**values, **overrides})
+    return TrainConfig.flat(**{**values, **overrides})
 
 
 @pytest.mark.parametrize("shape", [{"data": 8}, {"fsdp": 8}, {"data": 2, "fsdp": 2, "tensor": 2}])
@@ -136,7 +136,7 @@ def test_a_plan_is_written_as_json_with_the_contract_keys():
 
 # The tutorial's run: Gemma3-270M fully fine-tuned, AdamW, 96,000 stories one a row in batches of
 # 128 x 256 (750 steps) on one v6e chip, in 294.7 s (~83k padded tokens/s, ~15% MFU).
-TUTORIAL = TrainConfig(model="gemma3-270m", tokenizer="gemma3", batch_size=128, maxlen=256,
+TUTORIAL = TrainConfig.flat(model="gemma3-270m", tokenizer="gemma3", batch_size=128, maxlen=256,
                        datacount=96_000, lora_rank=0)
 TUTORIAL_SECONDS = 294.7
 
@@ -166,7 +166,7 @@ def test_a_tiny_batch_is_memory_bound_and_a_long_wide_one_compute_bound():
     tiny = plan.estimate(dataclasses.replace(TUTORIAL, batch_size=1, maxlen=16), "v6e")
     assert tiny.roofline.bound == "memory"
     assert max(tiny.traffic, key=tiny.traffic.get) == "optimizer"  # AdamW's pass over 268M
-    wide = plan.estimate(TrainConfig(model="gemma3-4b", tokenizer="gemma3", batch_size=8,
+    wide = plan.estimate(TrainConfig.flat(model="gemma3-4b", tokenizer="gemma3", batch_size=8,
                                      maxlen=2048), "v6e")
     assert wide.roofline.bound == "compute"
     assert wide.roofline.step_seconds == wide.step_seconds_at_peak
@@ -235,7 +235,7 @@ def test_bad_prices_are_one_line_errors(price, fragment):
 
 
 def _sft_and_dpo(accelerator, **overrides):
-    config = TrainConfig(**{**dict(model="gemma3-1b", tokenizer="gemma3", batch_size=32,
+    config = TrainConfig.flat(**{**dict(model="gemma3-1b", tokenizer="gemma3", batch_size=32,
                                    maxlen=512, compute_dtype="bfloat16"), **overrides})
     dpo = dataclasses.replace(config, objective="dpo", data_path=EMBEDDED_PREFERENCES)
     return plan.estimate(config, accelerator), plan.estimate(dpo, accelerator)
@@ -311,12 +311,12 @@ def test_dpo_adds_a_forward_pass_of_flops_and_of_hbm_traffic(lora_rank):
         assert dpo.flops_per_step / sft.flops_per_step == pytest.approx(8 / 6, rel=1e-12)
     # MFU is measured against the same figure.
     accounting = metrics.FlopAccounting.of_run(
-        dpo_config := dataclasses.replace(TrainConfig(model="gemma3-1b", tokenizer="gemma3",
+        dpo_config := dataclasses.replace(TrainConfig.flat(model="gemma3-1b", tokenizer="gemma3",
                                                       batch_size=32, maxlen=512,
                                                       lora_rank=lora_rank),
                                           objective="dpo", data_path=EMBEDDED_PREFERENCES),
         model_config, num_params=dpo.num_params, adapters=adapters, devices=accelerator)
-    assert dpo_config.objective == "dpo"
+    assert dpo_config.trainer.objective == "dpo"
     assert accounting.model_flops_per_step == dpo.flops_per_step
     # HBM: the policy's traffic unchanged, the reference's forward pass beside it; at least its
     # bfloat16 weights read once (each device holds all of them: data parallelism).
@@ -344,7 +344,7 @@ def four_gib_devices(monkeypatch):
 def test_the_fix_offered_is_the_first_layout_that_fits(four_gib_devices):
     accelerator = plan.attached_accelerator()
     assert accelerator.memory_bytes == 4 * GIB and accelerator.chips == 8
-    config = TrainConfig(model="gemma3-1b", tokenizer="gemma3", batch_size=8, maxlen=64)
+    config = TrainConfig.flat(model="gemma3-1b", tokenizer="gemma3", batch_size=8, maxlen=64)
     change, fitted = plan.suggest_fit(config, accelerator)
     assert change["mesh"] == {"fsdp": -1} and fitted.fits and not plan.estimate(
         config, accelerator).fits
@@ -358,7 +358,7 @@ def test_the_fix_offered_is_the_first_layout_that_fits(four_gib_devices):
 
 
 def test_nothing_fits_names_how_many_chips_would():
-    config = TrainConfig(model="gemma3-27b", tokenizer="gemma3", batch_size=8, maxlen=64)
+    config = TrainConfig.flat(model="gemma3-27b", tokenizer="gemma3", batch_size=8, maxlen=64)
     accelerator = plan.parse_accelerator("v6e:2x4")
     with pytest.raises(ConfigError, match=r"^mesh: .* nothing fits on 8 device\(s\): use about "
                                           r"(\d+) chips of this kind") as error:
@@ -385,7 +385,7 @@ def test_training_refuses_before_tokenizing_or_loading_weights(four_gib_devices,
     # it must not depend on the free space of the machine running it.
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr("shutil.disk_usage", lambda path: usage(total=2**50, used=0, free=2**50))
-    config = TrainConfig(model="gemma3-4b", tokenizer="gemma3", batch_size=8, maxlen=64,
+    config = TrainConfig.flat(model="gemma3-4b", tokenizer="gemma3", batch_size=8, maxlen=64,
                          output_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="^mesh: gemma3-4b needs ~"):
         Experiment.prepare(config)
@@ -410,10 +410,10 @@ COMPILED_TARGETS = {
     "fsdp": (_tiny(batch_size=16, maxlen=128, compute_dtype="bfloat16", max_steps=100,
                    mesh={"fsdp": -1}, num_layers=2), "v6e:2x2"),
     # Gemma's 262k vocabulary: 8 x 256 rows make the loss run in 2 chunks on one chip.
-    "vocab_one_chip": (TrainConfig(model="gemma3-tiny", tokenizer="gemma3", batch_size=8,
+    "vocab_one_chip": (TrainConfig.flat(model="gemma3-tiny", tokenizer="gemma3", batch_size=8,
                                    maxlen=256, compute_dtype="bfloat16", num_layers=2),
                        "v6e:1x1"),
-    "vocab_four_chips": (TrainConfig(model="gemma3-tiny", tokenizer="gemma3", batch_size=8,
+    "vocab_four_chips": (TrainConfig.flat(model="gemma3-tiny", tokenizer="gemma3", batch_size=8,
                                      maxlen=256, compute_dtype="bfloat16", num_layers=2),
                          "v6e:2x2"),
 }
@@ -489,8 +489,8 @@ def test_the_ahead_of_time_dpo_step_takes_the_planned_reference(monkeypatch):
         compiled = aot.compile_step(config, accelerator)
         held = estimate["params"] + estimate.get("reference", 0) + estimate["optimizer"]
         assert compiled["breakdown"]["arguments"] - held - estimate["batch"] in range(0, 64)
-        assert ("reference" in estimate) == (not config.lora_rank)
-        if not config.lora_rank:
+        assert ("reference" in estimate) == (not config.lora.rank)
+        if not config.lora.rank:
             sft = aot.compile_step(dataclasses.replace(config, objective="sft", data_path=""),
                                    accelerator)
             assert compiled["flops"] / sft["flops"] == pytest.approx(8 / 6, rel=0.1)

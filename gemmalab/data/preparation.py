@@ -39,24 +39,25 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     A second call with the same data parameters (e.g. data_prep.ipynb then train.ipynb) reuses
     the cached tokenizer and tokens.
     """
-    presets.check_num_layers(config.model, config.num_layers)  # before the tokenizer's work
-    cache_dir = config.resolved_cache_dir
+    config.require_resolved("prepare_data")
+    presets.check_num_layers(config.model.preset, config.model.num_layers)  # before the tokenizer's work
+    cache_dir = config.runtime.resolved_cache_dir
     storage.require_writable_directory("cache_dir", cache_dir)
-    corpus = documents.resolve_corpus(config.data_path, cache_dir=cache_dir,
-                                      embedded_stories=config.embedded_stories, seed=config.seed,
-                                      skip_bad_records=config.skip_bad_records,
-                                      preferences=config.objective == "dpo")
-    rule = SplitRule(config.eval_fraction, config.max_eval_stories,
+    corpus = documents.resolve_corpus(config.data.path, cache_dir=cache_dir,
+                                      embedded_stories=config.data.embedded_stories, seed=config.trainer.seed,
+                                      skip_bad_records=config.data.skip_bad_records,
+                                      preferences=config.trainer.objective == "dpo")
+    rule = SplitRule(config.data.eval_fraction, config.data.max_eval_stories,
                      jax.process_index(), jax.process_count())
     tokenizer, info = _load_tokenizer_everywhere(config, corpus, rule)
-    model_config = presets.model_config(config.model, info.vocab_size, config.num_layers)
+    model_config = presets.model_config(config.model.preset, info.vocab_size, config.model.num_layers)
     if info.vocab_size > model_config.num_embed:
         raise ConfigError("tokenizer", f"its vocabulary ({info.vocab_size}) is larger than "
-                          f"{config.model}'s embedding ({model_config.num_embed})",
+                          f"{config.model.preset}'s embedding ({model_config.num_embed})",
                           "use the model's own tokenizer ('gemma3') or model='gemma3-tiny'")
     cache = token_cache.load_or_build_token_cache(
-        corpus, info, rule=rule, datacount=config.datacount, cache_dir=cache_dir,
-        workers=config.tokenize_workers, train_on_prompt=config.train_on_prompt)
+        corpus, info, rule=rule, datacount=config.data.datacount, cache_dir=cache_dir,
+        workers=config.data.tokenize_workers, train_on_prompt=config.data.train_on_prompt)
     _require_held_out_documents(cache.meta, rule)
     return PreparedData(corpus=corpus, tokenizer=tokenizer, tokenizer_info=info, cache=cache,
                         model_config=model_config)
@@ -76,13 +77,13 @@ def _load_tokenizer_everywhere(config: TrainConfig, corpus: Corpus, rule: SplitR
                                ) -> tuple[Any, Any]:
     """Load (or train, on process 0 only, then share) the tokenizer."""
     def load(stories_allowed: bool):
-        stories = (documents.training_stories(corpus.path, rule, config.datacount, corpus.format)
+        stories = (documents.training_stories(corpus.path, rule, config.data.datacount, corpus.format)
                    if stories_allowed else None)
         return tokenizers.load_tokenizer(
-            config.tokenizer, cache_dir=config.resolved_cache_dir, training_stories=stories,
-            vocab_size=config.tokenizer_vocab_size, corpus_fingerprint=corpus.fingerprint)
+            config.model.tokenizer, cache_dir=config.runtime.resolved_cache_dir, training_stories=stories,
+            vocab_size=config.model.tokenizer_vocab_size, corpus_fingerprint=corpus.fingerprint)
 
-    if config.tokenizer != "local" or jax.process_count() == 1:
+    if config.model.tokenizer != "local" or jax.process_count() == 1:
         return load(True)
     # Several processes: one trains, the others receive the identical model over JAX's runtime.
     from jax.experimental import multihost_utils
@@ -91,8 +92,8 @@ def _load_tokenizer_everywhere(config: TrainConfig, corpus: Corpus, rule: SplitR
     size = int(multihost_utils.broadcast_one_to_all(np.int64(len(proto))))
     buffer = np.frombuffer(proto.ljust(size, b"\0"), np.uint8)
     proto = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer)))
-    path = tokenizers.local_tokenizer_path(config.resolved_cache_dir, corpus.fingerprint,
-                                           config.tokenizer_vocab_size)
+    path = tokenizers.local_tokenizer_path(config.runtime.resolved_cache_dir, corpus.fingerprint,
+                                           config.model.tokenizer_vocab_size)
     if jax.process_index() != 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(proto)
@@ -119,9 +120,9 @@ def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
     """Windows, packing fill and step counts of the train split; its batches and the eval's."""
     cache = prepared.cache
     if cache.train.group > 1:
-        _require_pairs_fit(cache, config.maxlen)
-    windows = WindowSource(cache.train, config.maxlen)
-    fill = packing.packed_fill(windows, seed=config.seed) if config.packing else 1.0
+        _require_pairs_fit(cache, config.data.maxlen)
+    windows = WindowSource(cache.train, config.data.maxlen)
+    fill = packing.packed_fill(windows, seed=config.trainer.seed) if config.data.packing else 1.0
     # Every process must count the same steps: totals and the mean fill of all shards.
     local = np.asarray([windows.num_targets, windows.num_units, round(fill * 1e6)], np.int64)
     if jax.process_count() > 1:
@@ -130,22 +131,22 @@ def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
         local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 3)
         local = np.asarray([*local[:, :2].sum(0), local[:, 2].mean()])
     per_epoch = packing.steps_per_epoch(int(local[0]), int(local[1]),
-                                        batch_size=config.batch_size, maxlen=config.maxlen,
-                                        packing=config.packing, fill=float(local[2]) / 1e6)
-    total_steps = (config.max_steps if config.max_steps is not None
-                   else per_epoch * config.num_epochs)
+                                        batch_size=config.trainer.batch_size, maxlen=config.data.maxlen,
+                                        packing=config.data.packing, fill=float(local[2]) / 1e6)
+    total_steps = (config.trainer.max_steps if config.trainer.max_steps is not None
+                   else per_epoch * config.trainer.num_epochs)
     iterator = grain_batches.train_batches(
-        cache.train, maxlen=config.maxlen, packing=config.packing, seed=config.seed,
-        rows_per_process=config.batch_size // jax.process_count())
-    evals = packing.eval_batches(cache.eval, maxlen=config.maxlen, batch_size=config.batch_size,
-                                 packing=config.packing, process_index=jax.process_index(),
+        cache.train, maxlen=config.data.maxlen, packing=config.data.packing, seed=config.trainer.seed,
+        rows_per_process=config.trainer.batch_size // jax.process_count())
+    evals = packing.eval_batches(cache.eval, maxlen=config.data.maxlen, batch_size=config.trainer.batch_size,
+                                 packing=config.data.packing, process_index=jax.process_index(),
                                  process_count=jax.process_count())
     stats = {"tokenizer": prepared.tokenizer_info.name,
              **data_stats(prepared.corpus, cache, windows), "packed_fill": round(fill, 4)}
     return TrainingData(train_iterator=iterator, eval_batches=evals, steps_per_epoch=per_epoch,
                         total_steps=total_steps, stats=stats,
-                        max_segments=_max_segments(windows, cache, config.maxlen,
-                                                   config.packing))
+                        max_segments=_max_segments(windows, cache, config.data.maxlen,
+                                                   config.data.packing))
 
 
 def _max_segments(windows: WindowSource, cache: TokenCache, maxlen: int, packing: bool) -> int:

@@ -61,7 +61,7 @@ def load_run(output_dir: str) -> Run:
     summary, config = _finished(output_dir, "run notebooks/train.ipynb with this output_dir first")
     prepared = prepare_data(config)
     model = presets.build_model(presets.config_from_dict(summary["model_config"]),
-                                param_dtype=jnp.dtype(config.param_dtype))
+                                param_dtype=jnp.dtype(config.model.param_dtype))
     return Run(output_dir=output_dir, config=config, summary=summary, model=model, data=prepared)
 
 
@@ -78,9 +78,9 @@ def load_runs(finetuned: str | Sequence[str]) -> list[Run]:
         summary, config = _finished(output_dir, "leave out runs that have not finished")
         for what, mine, theirs in (
                 ("model", summary["model_config"], first.summary["model_config"]),
-                ("tokenizer", (config.tokenizer, config.tokenizer_vocab_size, config.data_path),
-                 (first.config.tokenizer, first.config.tokenizer_vocab_size,
-                  first.config.data_path))):
+                ("tokenizer", (config.model.tokenizer, config.model.tokenizer_vocab_size, config.data.path),
+                 (first.config.model.tokenizer, first.config.model.tokenizer_vocab_size,
+                  first.config.data.path))):
             if mine != theirs:
                 raise ConfigError("finetuned", f"{output_dir} has another {what} than "
                                   f"{first.output_dir}",
@@ -112,12 +112,12 @@ def base_params(run: Run, checkpoint: str = "run", *, origin: TrainConfig | None
     ``"run"``, and its ``seed`` draws a random init."""
     origin = origin or run.config
     spec = origin.checkpoint if checkpoint == "run" else checkpoint
-    resolved = sources.resolve(spec, run.config.model, run.config.resolved_cache_dir)
+    resolved = sources.resolve(spec, run.config.model.preset, run.config.runtime.resolved_cache_dir)
     if not resolved.path:
         params = presets.init_params(run.model, seed=origin.seed, sample_length=origin.maxlen)
         return Contender("base (random init)", params)
-    target = plan.abstract_params(run.model.config, run.config.param_dtype)
-    params = sources.load(resolved, target, text_only=presets.PRESETS[run.config.model].multimodal)
+    target = plan.abstract_params(run.model.config, run.config.model.param_dtype)
+    params = sources.load(resolved, target, text_only=presets.PRESETS[run.config.model.preset].multimodal)
     return Contender(f"base ({resolved.name})", params)
 
 
@@ -133,7 +133,7 @@ def lineage(run: Run, base_checkpoint: str = "run") -> list[Contender]:
         return [base_params(run, base_checkpoint), finetuned_params(run)]
     stages = [base_params(run, origin=chain[-1][1])]  # the first run's start (its seed's init)
     for output_dir, config in reversed(chain):
-        stages.append(Contender(f"{config.objective.upper()} ({output_dir})",
+        stages.append(Contender(f"{config.trainer.objective.upper()} ({output_dir})",
                                 orbax_params.load_params(f"{output_dir}/params")))
     return stages
 
@@ -165,7 +165,7 @@ def samples_table(run: Run, contenders: list[Contender], prompts: str | list[str
             "give each prompt once (the table has a row per prompt)")
     methods = {"greedy": {"temperature": 0.0},
                f"top-p {top_p} T={temperature}": {"temperature": temperature, "top_p": top_p}}
-    compute = jnp.dtype(run.config.compute_dtype)
+    compute = jnp.dtype(run.config.model.compute_dtype)
     rows, continuations, labels = [], [], []
     for contender in contenders:
         for method, settings in methods.items():
@@ -190,7 +190,7 @@ def chat_replies(run: Run, contender: Contender, prompts: list[str], *, max_new_
                  ) -> list[sampling.Continuation]:
     """Single-turn replies through gemma's chat template (for instruction-tuned checkpoints)."""
     gm = gemma_lib.gm()
-    params = presets.cast_params(contender.params, run.config.compute_dtype)
+    params = presets.cast_params(contender.params, run.config.model.compute_dtype)
     sampler = gm.text.ChatSampler(model=run.model, params=params, tokenizer=run.data.tokenizer,
                                   sampling=sampling.sampling_method(temperature, top_p),
                                   multi_turn=False,
@@ -215,8 +215,8 @@ def task_instructions(run: Run, count: int) -> list[Conversation]:
     """The first ``count`` held-out conversations that name facts ([] for story runs)."""
     if not run.data.corpus.conversational:
         return []
-    rule = documents.SplitRule(run.config.eval_fraction, run.config.max_eval_stories)
-    held_out = documents.heldout_conversations(run.data.corpus.path, rule, run.config.datacount,
+    rule = documents.SplitRule(run.config.data.eval_fraction, run.config.data.max_eval_stories)
+    held_out = documents.heldout_conversations(run.data.corpus.path, rule, run.config.data.datacount,
                                                run.data.corpus.format)
     return list(itertools.islice((c for c in held_out if c.facts), count))
 
@@ -231,7 +231,7 @@ def task_metric(run: Run, contenders: list[Contender], instructions: list[Conver
     prompts = [chat.prompt_text(c.prompt_turns) for c in instructions]
     asked = [instruction_text(c) for c in instructions]
     facts = [c.facts or {} for c in instructions]
-    compute = jnp.dtype(run.config.compute_dtype)
+    compute = jnp.dtype(run.config.model.compute_dtype)
     scores, continuations, labels, columns = [], [], [], {}
     for contender in contenders:
         produced = sampling.continue_prompts(run.model, contender.params, run.data.tokenizer,
@@ -270,18 +270,18 @@ def perplexity_table(run: Run, contenders: list[Contender]) -> Any:
     data, of the chosen replies."""
     import pandas as pd
 
-    device_mesh = mesh.make_mesh(run.config.mesh, num_slices=run.config.num_slices)
-    batch_size = run.config.batch_size
+    device_mesh = mesh.make_mesh(run.config.runtime.mesh, num_slices=run.config.runtime.num_slices)
+    batch_size = run.config.trainer.batch_size
     mesh.check_batch_size(batch_size, device_mesh)
-    batches = packing.eval_batches(run.data.cache.eval, maxlen=run.config.maxlen,
-                                   batch_size=batch_size, packing=run.config.packing,
+    batches = packing.eval_batches(run.data.cache.eval, maxlen=run.config.data.maxlen,
+                                   batch_size=batch_size, packing=run.config.data.packing,
                                    process_index=jax.process_index(),
                                    process_count=jax.process_count())
     if run.data.cache.eval.group == 2:
         batches = chosen_replies_only(batches)
     # One architecture: one placement and one compiled step serve every contender.
     shardings = sharding.param_sharding(contenders[0].params, device_mesh)
-    step = optimization.make_eval_step(run.model, jnp.dtype(run.config.compute_dtype), device_mesh,
+    step = optimization.make_eval_step(run.model, jnp.dtype(run.config.model.compute_dtype), device_mesh,
                                        shardings)
     rows = []
     for contender in contenders:

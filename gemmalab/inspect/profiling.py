@@ -55,13 +55,13 @@ def capture(experiment: Any, *, logdir: str | None = None, warmup_steps: int = 3
     boundaries; it waits for the device, so host-side times split into data wait and step.
     """
     if logdir is None:
-        logdir = tensorboard_log.logdir(experiment.config.output_dir)
+        logdir = tensorboard_log.logdir(experiment.config.runtime.output_dir)
     started = time.perf_counter()
-    state = experiment.weights.state
+    train_step = experiment.compile()
+    state, frozen = experiment.weights.state, experiment.weights.frozen
     first_step_s = 0.0
     for i in range(max(warmup_steps, 1)):
-        state, metrics = experiment.train_step(state, experiment.next_batch(),
-                                               experiment.weights.held)
+        state, metrics = train_step(state, experiment.next_batch(), frozen)
         jax.block_until_ready(metrics)
         if i == 0:
             first_step_s = time.perf_counter() - started
@@ -73,7 +73,7 @@ def capture(experiment: Any, *, logdir: str | None = None, warmup_steps: int = 3
                 t0 = time.perf_counter()
                 batch = experiment.next_batch()
                 t1 = time.perf_counter()
-                state, metrics = experiment.train_step(state, batch, experiment.weights.held)
+                state, metrics = train_step(state, batch, frozen)
                 jax.block_until_ready(metrics)
                 t2 = time.perf_counter()
             steps.append({"step": i, "data_wait_s": t1 - t0, "step_s": t2 - t1,

@@ -14,11 +14,12 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from gemmalab.config import TrainConfig
+from gemmalab.config import FLAT_NAMES, TrainConfig
 from gemmalab.errors import ConfigError, require
 from gemmalab.k8s import accelerators
 from gemmalab.k8s.accelerators import HostResources, TpuSlice
 from gemmalab.k8s.notebook import NOTEBOOK, notebook_parameters
+from gemmalab.weights import resolution
 
 DEFAULT_PROJECT = "my-project"
 DEFAULT_REGION = "us-east5"
@@ -76,9 +77,8 @@ def check_notebook_params(params: Any, notebook: str = NOTEBOOK, *,
     # The repository's notebook when it is at hand (not inside the image): unknown names
     # would be injected by papermill and silently ignored by the notebook.
     defaults = notebook_parameters() if notebook == NOTEBOOK else None
-    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     # The notebook takes the names of its parameters cell and every TrainConfig field.
-    known = None if defaults is None else {*defaults, *train_fields}
+    known = None if defaults is None else {*defaults, *FLAT_NAMES}
     for name in params:
         require(isinstance(name, str) and name.isidentifier(), "params",
                 f"{name!r} is not a parameter name", "use the notebook's variable names")
@@ -87,9 +87,10 @@ def check_notebook_params(params: Any, notebook: str = NOTEBOOK, *,
         if known is not None:
             require(name in known, f"params.{name}", f"is not a parameter of {notebook}",
                     f"use one of {', '.join(sorted(set(known) - set(managed)))}")
-    values = {k: v for k, v in params.items() if k in train_fields}
     try:
-        resolved = TrainConfig(**values)
+        # As the notebook builds it: its recipe (its own default, or the one given), then fields.
+        resolved = resolution.resolve(
+            TrainConfig.from_parameters({**(defaults or {}), **params})).config
     except ConfigError as e:
         raise ConfigError(f"params.{e.parameter}", e.problem, e.fix) from None
     except TypeError as e:
@@ -215,9 +216,7 @@ class ClusterConfig:
     def _check_params(self) -> None:
         resolved, defaults = check_notebook_params(self.params, self.notebook)
         object.__setattr__(self, "params", types.MappingProxyType(dict(self.params)))
-        # None (the notebook's default): the model's own default batch, as the run resolves it.
-        batch = (self.params.get("batch_size") or (defaults or {}).get("batch_size")
-                 or resolved.batch_size)
+        batch = resolved.trainer.batch_size  # given, the recipe's, or the model's
         ways = self._data_parallel_size()
         require(batch % ways == 0, "params.batch_size",
                 f"{batch} is not divisible by the {ways} data-parallel ways of "

@@ -8,23 +8,15 @@ import dataclasses
 from typing import Any
 
 from gemmalab.k8s import kueue, manifests
+from gemmalab.recipes import RECIPE_PARAMETER
 from gemmalab.k8s.accelerators import GPU_TYPES
 from gemmalab.k8s.config import ClusterConfig
 from gemmalab.k8s.jupyterhub import CHART, CHART_VERSION, hub_values
 from gemmalab.k8s.render import render
 
-# The tutorial's setup: full fine-tuning of Gemma3-270M from its pretrained checkpoint (the
-# notebook's default is LoRA), the Gemma 3 tokenizer, TinyStories from the data bucket, batch
-# 128, 96,000 stories.
-TUTORIAL_PARAMS: dict[str, Any] = {
-    "model": "gemma3-270m",
-    "checkpoint": "GEMMA3_270M_PT",
-    "tokenizer": "gemma3",
-    "lora_rank": 0,
-    "data_path": "/data/TinyStories-train.txt",
-    "batch_size": 128,
-    "datacount": 96_000,
-}
+# The tutorial's setup (gemmalab.recipes: full fine-tuning of Gemma3-270M from its pretrained
+# checkpoint, TinyStories from the data bucket, batch 128, 96,000 stories), by name.
+TUTORIAL_PARAMS: dict[str, Any] = {RECIPE_PARAMETER: "tutorial"}
 
 # The standard queue: one LocalQueue (in the site's namespace) and ClusterQueue of that name.
 QUEUE = "gemmalab"

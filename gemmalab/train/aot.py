@@ -29,7 +29,7 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
     """Lower and compile the train step for the topology's devices: XLA's memory breakdown, its
     FLOP count, one device's bytes accessed and the seconds it took.
 
-    ``config.objective == "dpo"``: the step with DPO's reference forward pass, the base model
+    ``config.trainer.objective == "dpo"``: the step with DPO's reference forward pass, the base model
     (no adapters) on the step's third argument: LoRA's frozen base, or in full fine-tuning a
     compute-dtype copy of the weights sharded like them. Its segments a row are
     ``plan.preference_segments_bound`` (no data is read here)."""
@@ -46,40 +46,41 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
 
     start = time.perf_counter()
     topology = topologies.get_topology_desc(platform="tpu", topology_name=accelerator.topology)
-    device_mesh = mesh.make_mesh(config.mesh, topology.devices, num_slices=config.num_slices)
-    model_config = presets.model_config(config.model, vocab_size_hint(config), config.num_layers)
-    model = presets.build_model(model_config, param_dtype=jnp.dtype(config.param_dtype),
-                                remat=config.remat, attention=config.attention, mesh=device_mesh)
+    device_mesh = mesh.make_mesh(config.runtime.mesh, topology.devices, num_slices=config.runtime.num_slices)
+    model_config = presets.model_config(config.model.preset, vocab_size_hint(config), config.model.num_layers)
+    model = presets.build_model(model_config, param_dtype=jnp.dtype(config.model.param_dtype),
+                                remat=config.model.remat, attention=config.model.attention, mesh=device_mesh)
     base_model = model
-    params = abstract_params(model_config, config.param_dtype)
+    params = abstract_params(model_config, config.model.param_dtype)
     frozen = frozen_shardings = preference_settings = None
-    dpo = config.objective == "dpo"
-    if config.lora_rank or dpo:
+    dpo = config.trainer.objective == "dpo"
+    if config.lora.rank or dpo:
         # LoRA's frozen base (also DPO's reference), or full fine-tuning DPO's reference copy:
         # the starting weights in the compute dtype, sharded like the params.
-        base = abstract_params(model_config, config.compute_dtype)
+        base = abstract_params(model_config, config.model.compute_dtype)
         frozen_shardings = sharding.param_sharding(base, device_mesh)
         frozen = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                                                        sharding=where),
                               base, frozen_shardings)
-    if config.lora_rank:  # the state: adapters; the base: a compute-dtype argument
-        model = lora.wrap(model, rank=config.lora_rank, alpha=config.lora_alpha,
-                          modules=config.lora_modules, dtype=jnp.dtype(config.param_dtype))
+    if config.lora.rank:  # the state: adapters; the base: a compute-dtype argument
+        model = lora.wrap(model, rank=config.lora.rank, alpha=config.lora.alpha,
+                          modules=config.lora.modules, dtype=jnp.dtype(config.model.param_dtype))
         params = adapter_params(model_config, config)
     if dpo:
         preference_settings = optimization.Preference.of(
-            config, base_model, preference_segments_bound(config.maxlen))
+            config.dpo, base_model, preference_segments_bound(config.data.maxlen),
+            adapters=config.lora.enabled)
     schedule = optax.constant_schedule(1e-5)
     optimizer = optimization.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
                                             max_grad_norm=1.0)
     shardings = optimization.state_sharding(params, optimizer, device_mesh)
     abstract_state = optimization.abstract_state(params, optimizer, shardings)
-    rows = jax.ShapeDtypeStruct((config.batch_size, config.maxlen), jnp.int32,
+    rows = jax.ShapeDtypeStruct((config.trainer.batch_size, config.data.maxlen), jnp.int32,
                                 sharding=mesh.batch_sharding(device_mesh))
     batch = {name: rows for name in packing.FIELDS}
-    step = optimization.make_train_step(model, optimizer, schedule, jnp.dtype(config.compute_dtype),
+    step = optimization.make_train_step(model, optimizer, schedule, jnp.dtype(config.model.compute_dtype),
                                         device_mesh, shardings,
-                                        grad_accum_steps=config.grad_accum_steps,
+                                        grad_accum_steps=config.trainer.grad_accum_steps,
                                         frozen_shardings=frozen_shardings,
                                         preference_settings=preference_settings)
     compiled = step.lower(abstract_state, batch, frozen).compile()
@@ -103,7 +104,7 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
 def main(argv: list[str] | None = None) -> None:
     document = json.loads((sys.argv[1:] if argv is None else argv)[0])
     for request in document["requests"]:
-        config = TrainConfig(**request["config"])
+        config = TrainConfig.flat(**request["config"])
         result = compile_step(config, parse_accelerator(request["accelerator"]))
         print(json.dumps(result), flush=True)
 

@@ -159,10 +159,10 @@ def require_writable_room(output_dir: str, needed_bytes: int) -> None:
 def require_steps_ahead(saved: TrainCheckpoints, total_steps: int, config: TrainConfig) -> None:
     """A resumed run must not be told to stop before where it already is: it would train no
     step and save the further state under a smaller step's name."""
-    done = max(saved.steps(), default=0) if config.resume else 0
+    done = max(saved.steps(), default=0) if config.checkpoints.resume else 0
     if done > total_steps:
-        raise ConfigError("max_steps" if config.max_steps else "num_epochs",
-                          f"the run in {config.output_dir} has done {done} steps, more than "
+        raise ConfigError("max_steps" if config.trainer.max_steps else "num_epochs",
+                          f"the run in {config.runtime.output_dir} has done {done} steps, more than "
                           f"the {total_steps} this config trains",
                           f"use max_steps >= {done} to continue it, or a new output_dir")
 
@@ -176,13 +176,13 @@ def resume_values(config: TrainConfig) -> dict[str, Any]:
 
 def previous_run(config: TrainConfig) -> dict[str, Any] | None:
     """The checkpointed run in ``output_dir`` that this one continues, checked to match."""
-    stored = stored_config(config.output_dir)
-    if stored is not None and not config.resume:
-        raise ConfigError("resume", f"{config.output_dir} holds the checkpoints of an earlier "
+    stored = stored_config(config.runtime.output_dir)
+    if stored is not None and not config.checkpoints.resume:
+        raise ConfigError("resume", f"{config.runtime.output_dir} holds the checkpoints of an earlier "
                           "run", "use resume=True to continue it, or a new output_dir")
-    if stored is None and not config.resume and not is_empty_dir(config.output_dir):
-        raise ConfigError("resume", f"resume=False but {config.output_dir} is not empty",
+    if stored is None and not config.checkpoints.resume and not is_empty_dir(config.runtime.output_dir):
+        raise ConfigError("resume", f"resume=False but {config.runtime.output_dir} is not empty",
                           "use a new or empty output_dir")
     if stored is not None:
-        check_resumable(resume_values(config), stored, config.output_dir)
+        check_resumable(resume_values(config), stored, config.runtime.output_dir)
     return stored

@@ -18,7 +18,6 @@ The loop reads top to bottom; its collaborators do the rest:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import resource
 import time
 import zlib
@@ -46,7 +45,7 @@ from gemmalab.train import (
 )
 from gemmalab.train.params import TrainWeights, restore_or_init, trained_token_ids
 from gemmalab.train.preemption import Preempted, StopRequest
-from gemmalab.weights import orbax_params, sources
+from gemmalab.weights import orbax_params, resolution, sources
 from gemmalab.weights.export import TOKENIZER_FILE
 
 FINAL_LOSS_WINDOW = 10
@@ -54,7 +53,8 @@ FINAL_LOSS_WINDOW = 10
 
 @dataclasses.dataclass
 class Experiment:
-    config: TrainConfig
+    config: TrainConfig  # resolved: every choice the given config left open is decided
+    resolved: dict[str, Any]  # what decided them (gemmalab.weights.resolution), in summary.json
     mesh: Any
     prepared: PreparedData  # corpus, tokenizer, token cache, model config
     data: TrainingData  # batches, eval batches, step counts, the data table
@@ -69,6 +69,13 @@ class Experiment:
     checkpoint_name: str  # the base: e.g. embedded:gemma3-270m, a path, or "" (random init)
     startup: metrics.Startup
     flops: metrics.FlopAccounting
+    preference: optimization.Preference | None  # DPO's settings for the steps; None for SFT
+    eval_step: Any
+    # The run's TensorBoard event files (output_dir/tensorboard): the main process's, None
+    # elsewhere or with tensorboard=False. A resumed run's old events past its start step are
+    # dropped when they are opened (in ``prepare``).
+    tensorboard: tensorboard_log.TensorBoardLog | None
+    train_step: Any = None  # compiled by ``compile`` for this run's batch shape
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     eval_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -80,67 +87,80 @@ class Experiment:
     def prepare(cls, config: TrainConfig) -> Experiment:
         """Validate everything, build data, tokenizer, model and state; compile nothing yet."""
         startup = metrics.Startup()
-        storage.require_writable_directory("cache_dir", config.resolved_cache_dir)
+        # What the config leaves open (model, tokenizer, depth, batch, data set), decided from
+        # the checkpoint; from here on everything reads the decided config.
+        resolved = resolution.resolve(config)
+        config = resolved.config
+        storage.require_writable_directory("cache_dir", config.runtime.resolved_cache_dir)
         # First, so every compile of the run (init, steps, sampler) is read from or written to it.
-        compile_cache.enable(config.resolved_cache_dir)
-        device_mesh = mesh.make_mesh(config.mesh, num_slices=config.num_slices)
-        mesh.check_batch_size(config.batch_size, device_mesh, config.grad_accum_steps)
-        if storage.is_gcs(config.output_dir):
-            storage.require_gcs_credentials("output_dir", config.output_dir)
-        checkpoint = sources.resolve(config.checkpoint, config.model, config.resolved_cache_dir)
+        compile_cache.enable(config.runtime.resolved_cache_dir)
+        device_mesh = mesh.make_mesh(config.runtime.mesh, num_slices=config.runtime.num_slices)
+        mesh.check_batch_size(config.trainer.batch_size, device_mesh, config.trainer.grad_accum_steps)
+        if storage.is_gcs(config.runtime.output_dir):
+            storage.require_gcs_credentials("output_dir", config.runtime.output_dir)
+        checkpoint = sources.resolve(config.model.checkpoint, config.model.preset, config.runtime.resolved_cache_dir)
         # Refused here, before the data is tokenized and the weights loaded.
         devices = plan.attached_accelerator(list(device_mesh.devices.flat))
-        memory_plan = (plan.require_fits if config.check_memory else plan.estimate)(config, devices)
+        memory_plan = (plan.require_fits if config.runtime.check_memory else plan.estimate)(config, devices)
         previous = checkpoints.previous_run(config)
         # One checkpoint (trained weights and AdamW's two moments) and the final params.
         state_bytes = ((3 * memory_plan.trainable_params + memory_plan.num_params)
-                       * jnp.dtype(config.param_dtype).itemsize)
+                       * jnp.dtype(config.model.param_dtype).itemsize)
         if jax.process_index() == 0:
-            checkpoints.require_writable_room(config.output_dir, state_bytes)
+            checkpoints.require_writable_room(config.runtime.output_dir, state_bytes)
         startup.phase("checks")
         # CPUs list no peak: their cpu_mfu is against this host's matmul rate, measured (once per
         # machine, cached) now, while nothing else runs: before the data's prefetch threads and
         # far from the first step's clock.
-        host_rate = host_peak.of_run(devices, config.compute_dtype)
+        host_rate = host_peak.of_run(devices, config.model.compute_dtype)
         startup.phase("host_peak")
 
         prepared = prepare_data(config)
         data = training_data(config, prepared)
         startup.phase("data")
 
-        param_dtype = jnp.dtype(config.param_dtype)
+        param_dtype = jnp.dtype(config.model.param_dtype)
         base_model = presets.build_model(prepared.model_config, param_dtype=param_dtype,
-                                         remat=config.remat, attention=config.attention,
+                                         remat=config.model.remat, attention=config.model.attention,
                                          mesh=device_mesh)
         token_ids = trained_token_ids(config, prepared.tokenizer_info,
                                       chat=prepared.corpus.conversational)
-        model = (lora.wrap(base_model, rank=config.lora_rank, alpha=config.lora_alpha,
-                           modules=config.lora_modules, dtype=param_dtype, token_ids=token_ids)
-                 if config.lora_rank else base_model)
-        peak_lr = config.learning_rate or presets.default_learning_rate(
-            config.model, lora=config.lora_rank > 0, objective=config.objective)
+        model = (lora.wrap(base_model, rank=config.lora.rank, alpha=config.lora.alpha,
+                           modules=config.lora.modules, dtype=param_dtype, token_ids=token_ids)
+                 if config.lora.rank else base_model)
+        peak_lr = config.optimizer.learning_rate or presets.default_learning_rate(
+            config.model.preset, lora=config.lora.rank > 0, objective=config.trainer.objective)
         schedule = optimization.learning_rate_schedule(peak_lr, data.total_steps,
-                                                       warmup_ratio=config.warmup_ratio,
-                                                       min_lr_ratio=config.min_lr_ratio)
-        optimizer = optimization.make_optimizer(schedule, weight_decay=config.weight_decay,
-                                                b1=config.adam_b1, b2=config.adam_b2,
-                                                max_grad_norm=config.max_grad_norm)
-        saved = checkpoints.TrainCheckpoints(config.output_dir, keep=config.keep_checkpoints)
+                                                       warmup_ratio=config.optimizer.warmup_ratio,
+                                                       min_lr_ratio=config.optimizer.min_lr_ratio)
+        optimizer = optimization.make_optimizer(schedule, weight_decay=config.optimizer.weight_decay,
+                                                b1=config.optimizer.adam_b1, b2=config.optimizer.adam_b2,
+                                                max_grad_norm=config.optimizer.max_grad_norm)
+        saved = checkpoints.TrainCheckpoints(config.runtime.output_dir, keep=config.checkpoints.keep)
         checkpoints.require_steps_ahead(saved, data.total_steps, config)
         weights = restore_or_init(config, base_model, optimizer, device_mesh, checkpoint, saved,
                                   data.train_iterator, previous=previous,
                                   token_rows=len(token_ids))
-        jax.block_until_ready((weights.state, weights.held))
+        jax.block_until_ready((weights.state, weights.frozen))
         startup.phase("model")
 
-        adapters = weights.trainable_params if weights.frozen is not None else 0
         flops = metrics.FlopAccounting.of_run(config, prepared.model_config,
-                                              num_params=weights.num_params, adapters=adapters,
+                                              num_params=weights.num_params,
+                                              adapters=weights.adapter_params,
                                               devices=devices, host_peak_flops_per_s=host_rate)
-        return cls(config=config, mesh=device_mesh, prepared=prepared, data=data, model=model,
-                   base_model=base_model, weights=weights, optimizer=optimizer,
-                   schedule=schedule, memory_plan=memory_plan, checkpoints=saved,
-                   checkpoint_name=checkpoint.name, startup=startup, flops=flops)
+        preference = _preference(config, base_model, data)
+        eval_step = optimization.make_eval_step(model, jnp.dtype(config.model.compute_dtype),
+                                                device_mesh, weights.state_shardings.params,
+                                                weights.frozen_shardings, preference)
+        board = tensorboard_log.for_run(
+            config.runtime.output_dir, resume_step=weights.start_step, hparams=config.to_dict(),
+            enabled=config.metrics.tensorboard and jax.process_index() == 0)
+        return cls(config=config, resolved=resolved.to_dict(), mesh=device_mesh,
+                   prepared=prepared, data=data, model=model, base_model=base_model,
+                   weights=weights, optimizer=optimizer, schedule=schedule,
+                   memory_plan=memory_plan, checkpoints=saved, checkpoint_name=checkpoint.name,
+                   startup=startup, flops=flops, preference=preference, eval_step=eval_step,
+                   tensorboard=board)
 
     # -----------------------------------------------------------------------------------------
     # What notebooks read.
@@ -176,12 +196,14 @@ class Experiment:
 
     @property
     def compute_dtype(self) -> Any:
-        return jnp.dtype(self.config.compute_dtype)
+        return jnp.dtype(self.config.model.compute_dtype)
 
     def inference_params(self, dtype: Any = None) -> Any:
         """The current weights as an ordinary gemma params tree for ``base_model`` (with LoRA:
         the adapters merged into the base, in ``dtype``, default the master dtype)."""
-        return self.weights.inference_params(self.config, self.model, dtype)
+        lora_config = self.config.lora
+        return self.weights.inference_params(lora.scale(lora_config.rank, lora_config.alpha),
+                                             self.config.model.param_dtype, self.model, dtype)
 
     def sample(self, prompts: str | list[str], *, chat: bool | None = None, **kwargs: Any
                ) -> sampling.Continuation | list[sampling.Continuation]:
@@ -203,59 +225,32 @@ class Experiment:
             self.tensorboard.samples(step, continuations)
         return continuations[0] if single else continuations
 
-    @functools.cached_property
-    def tensorboard(self) -> tensorboard_log.TensorBoardLog | None:
-        """The run's TensorBoard event files (``output_dir/tensorboard``), opened on first use
-        (a sample or the training loop); the main process's, None elsewhere or with
-        ``tensorboard=False``. A resumed run's old events past its start step are dropped."""
-        if not (self.config.tensorboard and self.is_main_process):
-            return None
-        return tensorboard_log.TensorBoardLog(tensorboard_log.logdir(self.config.output_dir),
-                                              resume_step=self.weights.start_step,
-                                              hparams=self.config.to_dict())
-
     # -----------------------------------------------------------------------------------------
     # The steps.
 
-    @functools.cached_property
-    def train_step(self) -> Any:
-        """The state-donating step, compiled (on first use) for this run's batch shape:
-        ``state, metrics = train_step(state, batch, frozen)``. Compiled ahead of any batch, so
-        the compile's seconds and XLA's FLOP count of the step are recorded."""
-        weights = self.weights
+    def compile(self) -> Any:
+        """Compile the state-donating step for this run's batch shape, once (``train`` calls it
+        before the clock of the first step starts): ``state, metrics = train_step(state, batch,
+        frozen)``. Compiled ahead of any batch, so the compile's seconds and XLA's FLOP count of
+        the step are recorded."""
+        if self.train_step is not None:
+            return self.train_step
+        weights, cfg = self.weights, self.config
         step = optimization.make_train_step(self.model, self.optimizer, self.schedule,
                                             self.compute_dtype, self.mesh,
                                             weights.state_shardings,
-                                            grad_accum_steps=self.config.grad_accum_steps,
-                                            skip_nonfinite=self.config.skip_nonfinite,
-                                            frozen_shardings=weights.held_shardings,
-                                            preference_settings=self.preference_settings)
+                                            grad_accum_steps=cfg.trainer.grad_accum_steps,
+                                            skip_nonfinite=cfg.trainer.skip_nonfinite,
+                                            frozen_shardings=weights.frozen_shardings,
+                                            preference_settings=self.preference)
         started = time.perf_counter()
-        rows = jax.ShapeDtypeStruct((self.config.batch_size, self.config.maxlen), jnp.int32,
+        rows = jax.ShapeDtypeStruct((cfg.trainer.batch_size, cfg.data.maxlen), jnp.int32,
                                     sharding=mesh.batch_sharding(self.mesh))
         batch = {name: rows for name in packing.FIELDS}
-        compiled = step.lower(weights.state, batch, weights.held).compile()
+        self.train_step = step.lower(weights.state, batch, weights.frozen).compile()
         self.startup.record("compile", time.perf_counter() - started)
-        self.flops.record_compiled(compiled)
-        return compiled
-
-    @functools.cached_property
-    def preference_settings(self) -> optimization.Preference | None:
-        """DPO's settings for the steps; None for SFT."""
-        cfg = self.config
-        if cfg.objective != "dpo":
-            return None
-        if self.data.max_segments < 2:  # a cache of other data: no pair would ever count
-            raise ConfigError("data_path", f"{cfg.data_path} was read without preference pairs",
-                              "give objective='dpo' a preference JSONL file")
-        return optimization.Preference.of(cfg, self.base_model, self.data.max_segments)
-
-    @functools.cached_property
-    def eval_step(self) -> Any:
-        return optimization.make_eval_step(self.model, self.compute_dtype, self.mesh,
-                                           self.weights.state_shardings.params,
-                                           self.weights.held_shardings,
-                                           self.preference_settings)
+        self.flops.record_compiled(self.train_step)
+        return self.train_step
 
     def next_batch(self) -> dict[str, Any]:
         """The next global batch, placed on the mesh (this process supplies its rows).
@@ -270,7 +265,7 @@ class Experiment:
     def evaluate(self) -> dict[str, float]:
         """Eval loss and perplexity (DPO: and the pairs' means) over the whole held-out split."""
         return optimization.evaluate(self.eval_step, self.weights.state.params,
-                                     self.data.eval_batches, self.mesh, self.weights.held)
+                                     self.data.eval_batches, self.mesh, self.weights.frozen)
 
     # -----------------------------------------------------------------------------------------
     # The loop.
@@ -280,18 +275,18 @@ class Experiment:
         checkpoints; write metrics and ``summary.json``. SIGTERM: save, then ``Preempted``."""
         cfg, weights = self.config, self.weights
         start_step = weights.start_step
-        sink = metrics.MetricsSink(cfg.output_dir, enabled=self.is_main_process,
+        sink = metrics.MetricsSink(cfg.runtime.output_dir, enabled=self.is_main_process,
                                    resume_step=start_step or None, tensorboard=self.tensorboard)
         log = metrics.StepLog(sink, total_steps=self.total_steps, start_step=start_step,
                               steps_per_epoch=self.steps_per_epoch,
-                              tokens_per_step=cfg.batch_size * cfg.maxlen,
-                              log_every=cfg.log_every, show=progress and self.is_main_process,
+                              tokens_per_step=cfg.trainer.batch_size * cfg.data.maxlen,
+                              log_every=cfg.metrics.log_every, show=progress and self.is_main_process,
                               nonfinite=self._diverged,
                               flops_per_step=self.flops.model_flops_per_step,
                               peak_flops_per_s=self.flops.peak_flops_per_s,
                               host_peak_flops_per_s=self.flops.host_peak_flops_per_s)
         self.history, self.eval_history = log.history, log.eval_history
-        train_step = self.train_step  # compiled now, before the clock of the first step starts
+        train_step = self.compile()  # now, before the clock of the first step starts
         # Decided by the step, not by file contents: every process must take the same branch
         # (evaluation is collective).
         if start_step == 0:
@@ -308,24 +303,25 @@ class Experiment:
                 wait_started = time.perf_counter()
                 batch = self.next_batch()
                 data_wait = time.perf_counter() - wait_started
-                weights.state, step_metrics = train_step(weights.state, batch, weights.held)
-                log.step(step, step_metrics, data_wait, self.batch_digest)
+                weights.state, step_metrics = train_step(weights.state, batch, weights.frozen)
                 # One process: every step; several: a collective, so every log_every steps.
-                stopping = ((jax.process_count() == 1 or step % cfg.log_every == 0)
+                stopping = ((jax.process_count() == 1 or step % cfg.metrics.log_every == 0)
                             and stop.agreed())
-                if stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                    log.settle()  # the step's row is on disk before the checkpoint claims it
+                saving = stopping or (cfg.checkpoints.every
+                                      and step % cfg.checkpoints.every == 0)
+                # A step a checkpoint claims has its row written first (durable).
+                log.step(step, step_metrics, data_wait, self.batch_digest, durable=saving)
+                if saving:
                     self._save_checkpoint(step)
                 if stopping:
                     self.checkpoints.wait()
                     log.close()
                     raise Preempted(step, f"{self.checkpoints.directory}/{step}")
-                if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
-                    log.settle()
+                if (cfg.metrics.eval_every and step % cfg.metrics.eval_every == 0
+                        and step < self.total_steps):
                     self._record_eval(step, log)
-        log.settle()
-        train_seconds = time.perf_counter() - started
-        final_eval = self._record_eval(self.total_steps, log)
+        final_eval = self._record_eval(self.total_steps, log)  # the last step's row first
+        train_seconds = (log.steps_ended or started) - started
         self.checkpoints.wait()
         if self.total_steps not in self.checkpoints.steps():
             self._save_checkpoint(self.total_steps)
@@ -368,7 +364,7 @@ class Experiment:
             "final_eval_loss": final_eval["eval_loss"],
             "initial_eval_perplexity": initial_eval["eval_perplexity"],
             "final_eval_perplexity": final_eval["eval_perplexity"],
-            "objective": self.config.objective,
+            "objective": self.config.trainer.objective,
             # DPO: the held-out pairs' means (reward accuracy, margin, KL estimate, ...)
             **{f"{when}_{name}": record[name]
                for when, record in (("initial", initial_eval), ("final", final_eval))
@@ -402,6 +398,7 @@ class Experiment:
             "tokenizer_vocab_size": self.prepared.tokenizer_info.vocab_size,
             "data": self.data_stats,
             "params": self.config.to_dict(),
+            "resolved": self.resolved,
             "model_config": presets.config_to_dict(self.prepared.model_config),
         }
 
@@ -413,12 +410,24 @@ class Experiment:
         With LoRA these are the merged weights (an ordinary gemma tree, what sampling and
         ``gm.ckpts.load_params`` read), and the adapters alone go to ``output_dir/adapters``.
         """
-        path = f"{self.config.output_dir}/params"
+        path = f"{self.config.runtime.output_dir}/params"
         orbax_params.save_params(self.inference_params(), path)
-        if self.weights.frozen is not None:
+        if self.weights.adapted:
             orbax_params.save_params(self.weights.state.params,
-                                     f"{self.config.output_dir}/adapters")
+                                     f"{self.config.runtime.output_dir}/adapters")
         if self.is_main_process:
-            storage.write_bytes(f"{self.config.output_dir}/{TOKENIZER_FILE}",
+            storage.write_bytes(f"{self.config.runtime.output_dir}/{TOKENIZER_FILE}",
                                 self.prepared.tokenizer_info.model_proto)
         return path
+
+
+def _preference(config: TrainConfig, base_model: Any, data: TrainingData
+                ) -> optimization.Preference | None:
+    """DPO's settings for the steps; None for SFT."""
+    if config.trainer.objective != "dpo":
+        return None
+    if data.max_segments < 2:  # a cache of other data: no pair would ever count
+        raise ConfigError("data_path", f"{config.data.path} was read without preference pairs",
+                          "give objective='dpo' a preference JSONL file")
+    return optimization.Preference.of(config.dpo, base_model, data.max_segments,
+                                      adapters=config.lora.enabled)

@@ -94,8 +94,9 @@ class StepLog:
     """The training loop's record keeper.
 
     A step's metrics are read one step late (``step`` settles the previous one while the new one
-    runs), so the device never waits for the host; ``settle`` reads the last one now, e.g. before
-    a checkpoint claims it. ``nonfinite`` builds the error raised for a non-finite loss or
+    runs), so the device never waits for the host; a ``durable`` step (one a checkpoint is
+    about to claim) is read and flushed at once, and an evaluation or ``close`` reads the last
+    one first, so the rows stay in step order. ``nonfinite`` builds the error raised for a non-finite loss or
     gradient norm in a step that was not skipped.
 
     Each step's record carries its wall-clock ``time``, and with ``flops_per_step`` (the model's
@@ -122,12 +123,19 @@ class StepLog:
         self._pending: tuple | None = None
         self._last_done = time.perf_counter()
         self._first = True  # this attempt's first step: it pays for warming up (ATTEMPT_START)
+        self.steps_ended: float | None = None  # perf_counter when the last read step finished
 
-    def step(self, step: int, metrics: Any, data_wait: float, batch_digest: int) -> None:
+    def step(self, step: int, metrics: Any, data_wait: float, batch_digest: int, *,
+             durable: bool = False) -> None:
+        """Record a step; ``durable``: its row is written and flushed before this returns."""
         self.settle()
         self._pending = (step, metrics, data_wait, batch_digest)
+        if durable:
+            self.settle()
+            self.sink.flush()
 
     def settle(self) -> None:
+        """Read the pending step's metrics (waiting for the device) and write its row."""
         if self._pending is None:
             return
         step, metrics, data_wait, digest = self._pending
@@ -135,6 +143,7 @@ class StepLog:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         step_time, self._last_done = now - self._last_done, now
+        self.steps_ended = now
         if not values.get("skipped") and not (math.isfinite(values["loss"])
                                               and math.isfinite(values["grad_norm"])):
             raise self._nonfinite(step, values)
@@ -161,7 +170,8 @@ class StepLog:
     def evaluation(self, step: int, values: dict[str, float]) -> dict[str, Any]:
         """Record an evaluation (``optimization.evaluate``'s ``eval_loss``, ``eval_perplexity``
         and, for DPO, the pairs' means); after step 0, also a plain log line (papermill and
-        ``kubectl logs`` show these, not the bar)."""
+        ``kubectl logs`` show these, not the bar). The pending step's row is written first."""
+        self.settle()
         record = {"step": step, **values}
         loss, perplexity = values["eval_loss"], values["eval_perplexity"]
         self.eval_history.append(record)
@@ -180,6 +190,7 @@ class StepLog:
         return record
 
     def close(self) -> None:
+        self.settle()
         self._bar.close()
         self.sink.close()
 

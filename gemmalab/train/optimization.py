@@ -87,12 +87,13 @@ class Preference:
     rpo_alpha: float = 0.0
 
     @classmethod
-    def of(cls, config: Any, reference_model: Any, num_segments: int) -> Preference:
-        """A ``TrainConfig``'s DPO settings (``dpo_beta``, ...) with the base model as the
-        reference."""
-        return cls(reference_model=reference_model, beta=config.dpo_beta,
-                   label_smoothing=config.dpo_label_smoothing, num_segments=num_segments,
-                   adapters=config.lora_rank > 0, rpo_alpha=config.dpo_rpo_alpha)
+    def of(cls, dpo: Any, reference_model: Any, num_segments: int, *, adapters: bool
+           ) -> Preference:
+        """A ``DPOConfig``'s settings with the base model as the reference; ``adapters``: the
+        policy is LoRA over that base (the reference is the base with the adapters off)."""
+        return cls(reference_model=reference_model, beta=dpo.beta,
+                   label_smoothing=dpo.label_smoothing, num_segments=num_segments,
+                   adapters=adapters, rpo_alpha=dpo.rpo_alpha)
 
 
 def _hidden_states(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,

@@ -1,12 +1,12 @@
 """The run's weights: what it trains and what it holds still, each with its shardings.
 
 ``TrainWeights`` is one object for both: ``state`` (the ``TrainState``: trainable params and the
-optimizer's moments, what a checkpoint saves) and, with LoRA, ``frozen``: the base weights in the
-compute dtype, never updated and never checkpointed (read again on a resume). DPO's reference is
-that frozen base with the adapters off; in full fine-tuning it is ``reference``, the starting
-weights in the compute dtype, likewise read again on a resume. ``restore_or_init``
-builds it, straight into the shards of the mesh: from the newest checkpoint of the run, else from
-the configured base (or random init).
+optimizer's moments, what a checkpoint saves) and ``frozen``: the weights the steps read but
+never update and a checkpoint never saves (read again on a resume). With LoRA that is the base
+in the compute dtype (also DPO's reference, with the adapters off); in full fine-tuning DPO, the
+starting weights in the compute dtype, the reference; else None. ``restore_or_init`` builds it,
+straight into the shards of the mesh: from the newest checkpoint of the run, else from the
+configured base (or random init).
 """
 
 from __future__ import annotations
@@ -30,51 +30,45 @@ from gemmalab.weights import sources
 
 @dataclasses.dataclass
 class TrainWeights:
-    """``state`` and its shardings; with LoRA the ``frozen`` base and its shardings (else None).
-    ``start_step`` > 0 when the state was restored from a checkpoint."""
+    """``state`` and its shardings; ``frozen`` (LoRA's base, or full fine-tuning DPO's
+    reference; else None) and its shardings; ``adapted``: ``state`` holds LoRA adapters over
+    ``frozen``. ``start_step`` > 0 when the state was restored from a checkpoint."""
 
     state: optimization.TrainState
     state_shardings: optimization.TrainState
     frozen: Any = None
     frozen_shardings: Any = None
+    adapted: bool = False
     start_step: int = 0
-    reference: Any = None  # full fine-tuning DPO's reference weights (else None)
-    reference_shardings: Any = None
-
-    @property
-    def held(self) -> Any:
-        """What the steps take beside the state (their ``frozen`` argument): LoRA's base (also
-        DPO's reference), full fine-tuning DPO's reference, or None."""
-        return self.frozen if self.frozen is not None else self.reference
-
-    @property
-    def held_shardings(self) -> Any:
-        return self.frozen_shardings if self.frozen is not None else self.reference_shardings
 
     @property
     def trainable_params(self) -> int:
         return presets.parameter_count(self.state.params)
 
     @property
-    def num_params(self) -> int:
-        """Every weight of the model (with LoRA: base and adapters)."""
-        return self.trainable_params + presets.parameter_count(self.frozen or {})
+    def adapter_params(self) -> int:
+        """LoRA's share of the model's weights (0 without)."""
+        return self.trainable_params if self.adapted else 0
 
-    def inference_params(self, config: TrainConfig, model: Any, dtype: Any = None) -> Any:
+    @property
+    def num_params(self) -> int:
+        """Every weight of the model (with LoRA: base and adapters; not DPO's reference)."""
+        base = presets.parameter_count(self.frozen) if self.adapted else 0
+        return self.trainable_params + base
+
+    def inference_params(self, lora_scale: float, param_dtype: Any, model: Any,
+                         dtype: Any = None) -> Any:
         """An ordinary gemma params tree of the base model (with LoRA: the adapters of ``model``
-        merged into the base, in ``dtype``, default the master dtype)."""
-        if self.frozen is None:
+        merged into the base with ``lora_scale``, in ``dtype``, default ``param_dtype``)."""
+        if not self.adapted:
             return self.state.params
-        return lora.merge(self.frozen, self.state.params,
-                          lora.scale(config.lora_rank, config.lora_alpha),
-                          dtype=dtype or jnp.dtype(config.param_dtype),
-                          token_ids=lora.token_ids(model))
+        return lora.merge(self.frozen, self.state.params, lora_scale,
+                          dtype=dtype or jnp.dtype(param_dtype), token_ids=lora.token_ids(model))
 
     def bytes_per_device(self) -> dict[str, int]:
         """summary.json's "params_bytes_per_device" and "optimizer_bytes_per_device"."""
         return {"params_bytes_per_device": (sharding.shard_bytes(self.state.params)
-                                            + sharding.shard_bytes(self.frozen or {})
-                                            + sharding.shard_bytes(self.reference or {})),
+                                            + sharding.shard_bytes(self.frozen or {})),
                 "optimizer_bytes_per_device": sharding.shard_bytes(self.state.opt_state)}
 
 
@@ -89,26 +83,26 @@ def restore_or_init(config: TrainConfig, base_model: Any, optimizer: Any, device
     start_step, state, shardings = _restored_or_initial_state(
         config, base_model, optimizer, device_mesh, checkpoint, saved, iterator,
         resume=previous is not None, token_rows=token_rows)
-    weights = TrainWeights(state=state, state_shardings=shardings, start_step=start_step)
-    if config.lora_rank:
+    weights = TrainWeights(state=state, state_shardings=shardings, start_step=start_step,
+                           adapted=config.lora.enabled)
+    # LoRA's base; in full fine-tuning DPO the starting weights, as LoRA's base is.
+    if config.lora.enabled or config.trainer.objective == "dpo":
         weights.frozen, weights.frozen_shardings = _frozen_base(config, base_model, checkpoint,
                                                                 device_mesh)
-    elif config.objective == "dpo":  # the starting weights, as LoRA's base is
-        weights.reference, weights.reference_shardings = _frozen_base(config, base_model,
-                                                                      checkpoint, device_mesh)
-    held = {} if weights.held is None else {HELD_DIGEST: weights_digest(weights.held)}
+    frozen_digest = ({} if weights.frozen is None
+                     else {FROZEN_DIGEST: weights_digest(weights.frozen)})
     if start_step == 0:
         if jax.process_index() == 0:
-            checkpoints.write_config(config.output_dir,
-                                     {**checkpoints.resume_values(config), **held})
+            checkpoints.write_config(config.runtime.output_dir,
+                                     {**checkpoints.resume_values(config), **frozen_digest})
     else:
-        _require_same_held_weights(previous or {}, held, config, checkpoint)
+        _require_same_frozen_weights(previous or {}, frozen_digest, config, checkpoint)
     return weights
 
 
-# The train config's record of the held weights (LoRA's base, DPO's reference) a run started
+# The train config's record of the frozen weights (LoRA's base, DPO's reference) a run started
 # with: they are read again on a resume, not checkpointed, so a changed file would change them.
-HELD_DIGEST = "held_weights_digest"
+FROZEN_DIGEST = "held_weights_digest"  # (the key runs have recorded since it was added)
 
 
 # Two odd multipliers a leaf (``weights_digest``), and the elements a host block sums at once.
@@ -180,16 +174,17 @@ def _block_sums(data: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ..
     return total
 
 
-def _require_same_held_weights(stored: dict[str, Any], held: dict[str, str], config: TrainConfig,
-                               checkpoint: sources.ResolvedCheckpoint) -> None:
-    """A resumed run's held weights are those it started with (runs that recorded none, from
+def _require_same_frozen_weights(stored: dict[str, Any], frozen_digest: dict[str, str],
+                                 config: TrainConfig, checkpoint: sources.ResolvedCheckpoint
+                                 ) -> None:
+    """A resumed run's frozen weights are those it started with (runs that recorded none, from
     before the record existed, pass)."""
-    before, now = stored.get(HELD_DIGEST), held.get(HELD_DIGEST)
+    before, now = stored.get(FROZEN_DIGEST), frozen_digest.get(FROZEN_DIGEST)
     if before is None or before == now:
         return
-    role = "LoRA base" if config.lora_rank else "DPO reference"
+    role = "LoRA base" if config.lora.rank else "DPO reference"
     raise ConfigError("checkpoint", f"{checkpoint.name or 'the random init'} now holds other "
-                      f"weights than when the run in {config.output_dir} started (its {role}, "
+                      f"weights than when the run in {config.runtime.output_dir} started (its {role}, "
                       f"not checkpointed, digest {now} against {before})",
                       "put the original weights back at that path, or use a new output_dir to "
                       "start over from these")
@@ -198,11 +193,11 @@ def _require_same_held_weights(stored: dict[str, Any], held: dict[str, str], con
 def trained_token_ids(config: TrainConfig, info: Any, *, chat: bool) -> tuple[int, ...]:
     """The ids of ``lora_train_tokens`` (resolved: the chat turn tokens when LoRA fine-tunes a
     pretrained checkpoint on chat data); () without LoRA, where every embedding trains."""
-    if not config.lora_rank:
+    if not config.lora.rank:
         return ()
-    pieces = config.lora_train_tokens
+    pieces = config.lora.train_tokens
     if pieces is None:
-        pieces = list(CHAT_TURN_TOKENS) if chat and config.checkpoint else []
+        pieces = list(CHAT_TURN_TOKENS) if chat and config.model.checkpoint else []
     ids = tokenizers.piece_ids(info, pieces)
     unknown = [piece for piece, i in zip(pieces, ids, strict=True) if i is None]
     if unknown:
@@ -219,10 +214,10 @@ def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: 
     """``(start step, state, its shardings)``: the newest readable checkpoint restored straight
     into its shards (and ``iterator`` moved to its data position), else the initial weights
     (with LoRA: fresh adapters; the base weights are not part of the state)."""
-    param_dtype = jnp.dtype(config.param_dtype)
+    param_dtype = jnp.dtype(config.model.param_dtype)
     # The same abstract trees the memory plan traced (cached per model config).
-    expected = (plan.adapter_params(base_model.config, config, token_rows) if config.lora_rank
-                else plan.abstract_params(base_model.config, config.param_dtype))
+    expected = (plan.adapter_params(base_model.config, config, token_rows) if config.lora.rank
+                else plan.abstract_params(base_model.config, config.model.param_dtype))
     shardings = optimization.state_sharding(expected, optimizer, device_mesh)
     abstract = optimization.abstract_state(expected, optimizer, shardings)
     restored = saved.restore_latest(abstract, iterator) if resume else None
@@ -230,10 +225,10 @@ def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: 
         if jax.process_index() == 0:
             print(f"resumed from step {restored[0]} ({saved.directory}/{restored[0]})")
         return restored[0], restored[1], shardings
-    if config.lora_rank:
-        params = lora.init_adapters(base_model.config, rank=config.lora_rank,
-                                    modules=config.lora_modules, dtype=config.param_dtype,
-                                    seed=config.seed + 1, shardings=shardings.params,
+    if config.lora.rank:
+        params = lora.init_adapters(base_model.config, rank=config.lora.rank,
+                                    modules=config.lora.modules, dtype=config.model.param_dtype,
+                                    seed=config.trainer.seed + 1, shardings=shardings.params,
                                     token_rows=token_rows)
     else:
         params = initial_params(base_model, checkpoint, config, param_dtype, device_mesh,
@@ -247,8 +242,8 @@ def _frozen_base(config: TrainConfig, base_model: Any, checkpoint: sources.Resol
     """The starting weights in the compute dtype (LoRA's base, DPO's reference), read (or drawn
     from ``seed``) into their shards; the same on a resume, so they are never checkpointed.
     Returns (weights, shardings)."""
-    expected = plan.abstract_params(base_model.config, config.param_dtype)
-    compute_dtype = jnp.dtype(config.compute_dtype)
+    expected = plan.abstract_params(base_model.config, config.model.param_dtype)
+    compute_dtype = jnp.dtype(config.model.compute_dtype)
     params = initial_params(base_model, checkpoint, config, compute_dtype, device_mesh, expected)
     params = jax.tree.map(lambda p: p.astype(compute_dtype), params)  # random init: master dtype
     return params, sharding.param_sharding(params, device_mesh)
@@ -260,16 +255,16 @@ def initial_params(model: Any, checkpoint: sources.ResolvedCheckpoint, config: T
     (``expected``: the params' abstract tree)."""
     shardings = sharding.param_sharding(expected, device_mesh)
     if not checkpoint.path:
-        return presets.init_params(model, seed=config.seed, sample_length=config.maxlen,
+        return presets.init_params(model, seed=config.trainer.seed, sample_length=config.data.maxlen,
                                    shardings=shardings)
-    mismatch = ConfigError("checkpoint", f"{checkpoint.name} does not match {config.model}'s "
+    mismatch = ConfigError("checkpoint", f"{checkpoint.name} does not match {config.model.preset}'s "
                            "parameter shapes", "pick the checkpoint made for this model")
     target = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, param_dtype,
                                                                    sharding=where),
                           expected, shardings)
     try:
         loaded = sources.load(checkpoint, target,
-                              text_only=presets.PRESETS[config.model].multimodal,
+                              text_only=presets.PRESETS[config.model.preset].multimodal,
                               progress=jax.process_index() == 0)
     except (ValueError, KeyError) as error:  # the checkpoint's tree does not fit the model's
         raise mismatch from error

@@ -3,7 +3,7 @@
 ``TensorBoardLog`` writes what ``MetricsSink`` records (every number of a ``metrics.jsonl`` row
 under ``train/`` or ``perf/``, every ``eval.jsonl`` figure under ``eval/``), the samples the
 notebook takes before and after training as text, and the config as the hparams plugin's
-hyperparameters. Only the main process writes one (``Experiment.tensorboard``).
+hyperparameters. Only the main process writes one (``Experiment.tensorboard``, opened by ``Experiment.prepare``).
 
 The writer is tensorboard's own TF-free summary layer: the plugins' ``*_pb`` summary protos and
 its ``RecordWriter`` framing, over a file opened through etils.epath, the file layer behind
@@ -49,6 +49,16 @@ HPARAMS_PLUGIN = "hparams"
 def logdir(output_dir: str) -> str:
     """Where a run's event files (and profile traces, under ``plugins/profile/``) go."""
     return f"{str(output_dir).rstrip('/')}/{LOGDIR_NAME}"
+
+
+def for_run(output_dir: str, *, enabled: bool, resume_step: int,
+            hparams: Mapping[str, Any]) -> TensorBoardLog | None:
+    """A run's event files in ``output_dir/tensorboard``, opened now (a resumed run's old events
+    past ``resume_step`` are dropped); None unless ``enabled`` (tensorboard=True, and the main
+    process: only it writes)."""
+    if not enabled:
+        return None
+    return TensorBoardLog(logdir(output_dir), resume_step=resume_step, hparams=hparams)
 
 
 def scalar_tags(kind: str, record: Mapping[str, Any]) -> dict[str, float]:

@@ -526,7 +526,7 @@ def test_data_that_holds_nothing_out_is_refused_before_any_model_work(tmp_path, 
     from gemmalab.config import TrainConfig
     from gemmalab.data.preparation import prepare_data
 
-    config = TrainConfig(model="gemma3-tiny", data_path=str(stories_file), eval_fraction=0.001,
+    config = TrainConfig.flat(model="gemma3-tiny", data_path=str(stories_file), eval_fraction=0.001,
                          tokenizer_vocab_size=600, cache_dir=str(cache_dir), tokenize_workers=1,
                          output_dir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"^eval_fraction: holds out none of the 400 documents "
@@ -541,7 +541,7 @@ def test_a_cache_dir_that_cannot_be_written_is_refused_by_name(tmp_path):
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    config = TrainConfig(model="gemma3-tiny", cache_dir=str(blocker / "cache"),
+    config = TrainConfig.flat(model="gemma3-tiny", cache_dir=str(blocker / "cache"),
                          output_dir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"^cache_dir: cannot write to .*a-file/cache "
                        r"\((FileExistsError|NotADirectoryError): .*\)\. Fix: choose a directory"):

@@ -53,13 +53,13 @@ def _longest_pair(split) -> int:
 ])
 def test_bad_preference_settings_are_one_line_errors_naming_the_parameter(values, parameter):
     with pytest.raises(ConfigError) as error:
-        TrainConfig(**values)
+        TrainConfig.flat(**values)
     assert str(error.value).startswith(f"{parameter}:") and "\n" not in str(error.value)
 
 
 def test_dpo_defaults_to_the_embedded_preference_set():
-    config = TrainConfig(objective="dpo")
-    assert config.data_path == EMBEDDED_PREFERENCES and config.dpo_beta == 0.1
+    config = TrainConfig.flat(objective="dpo")
+    assert config.data.path == EMBEDDED_PREFERENCES and config.dpo.beta == 0.1
 
 
 def test_a_text_file_is_refused_as_preference_data(stories_file, tmp_path):

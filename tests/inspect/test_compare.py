@@ -10,7 +10,7 @@ from gemmalab.train.experiment import Experiment
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, cache_dir, stories_file):
     output_dir = tmp_path_factory.mktemp("compare") / "run"
-    config = TrainConfig(data_path=str(stories_file), cache_dir=str(cache_dir),
+    config = TrainConfig.flat(data_path=str(stories_file), cache_dir=str(cache_dir),
                          output_dir=str(output_dir), batch_size=8, maxlen=64, max_steps=8,
                          eval_every=0, tokenizer_vocab_size=600, tokenize_workers=1, seed=4,
                          num_layers=2)
@@ -23,7 +23,7 @@ def run(tmp_path_factory, cache_dir, stories_file):
 @pytest.mark.slow
 def test_load_run_rebuilds_the_run(run):
     loaded, summary = run
-    assert loaded.config.seed == 4 and loaded.summary["steps"] == summary["steps"] == 8
+    assert loaded.config.trainer.seed == 4 and loaded.summary["steps"] == summary["steps"] == 8
     assert loaded.model.config.num_embed == 600
 
 
@@ -87,7 +87,7 @@ def test_a_chains_random_init_base_is_the_first_runs_own(run, tmp_path):
     base, first, second = compare.lineage(child)
     assert base.name == "base (random init)"
     assert first.name.startswith("SFT (") and second.name == f"SFT ({child_dir})"
-    started = presets.init_params(parent.model, seed=4, sample_length=parent.config.maxlen)
+    started = presets.init_params(parent.model, seed=4, sample_length=parent.config.data.maxlen)
     for a, b in zip(jax.tree.leaves(base.params), jax.tree.leaves(started), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -104,7 +104,7 @@ def test_a_run_continuing_another_finds_its_parent(tmp_path):
     sft.mkdir()
     (sft / "summary.json").write_text(json.dumps({"params": TrainConfig().to_dict()}))
     output_dir, config = compare._parent_run(f"{sft}/params/")
-    assert output_dir == str(sft) and config.objective == "sft"
+    assert output_dir == str(sft) and config.trainer.objective == "sft"
     assert compare._parent_run(str(tmp_path / "elsewhere" / "params")) is None
     assert compare._parent_run("embedded:gemma3-270m") is None
 

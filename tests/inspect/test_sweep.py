@@ -13,7 +13,7 @@ def _run(root, name, final_eval_loss=None, **params):
     directory = root / name
     directory.mkdir(parents=True)
     if final_eval_loss is not None:
-        config = TrainConfig(output_dir=str(directory), **params).to_dict()
+        config = TrainConfig.flat(output_dir=str(directory), **params).to_dict()
         (directory / "summary.json").write_text(json.dumps({
             "params": config, "steps": 20, "final_train_loss": 2.5,
             "final_eval_loss": final_eval_loss, "final_eval_perplexity": 2.0 ** final_eval_loss,

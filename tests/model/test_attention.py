@@ -114,7 +114,7 @@ def worst_grad_error(got, want):
 def test_an_unknown_implementation_is_a_one_line_config_error():
     with pytest.raises(ConfigError, match=r"^attention: unknown implementation 'flash'\. Fix: "
                                           r"use one of \('auto', 'gemma'"):
-        TrainConfig(attention="flash")
+        TrainConfig.flat(attention="flash")
     assert TrainConfig().attention == "auto"
 
 
@@ -276,7 +276,7 @@ def test_the_memory_plan_counts_no_scores_for_splash():
     maxlen at a constant token count, as compiled (docs/benchmarks.md: 9.2 GiB of temporaries
     for gemma3-270m from maxlen 256 to 8192); gemma's keep growing with the scores."""
     def activations(maxlen, name, accelerator="v6e:1x1"):
-        config = TrainConfig(model="gemma3-270m", tokenizer="gemma3", maxlen=maxlen,
+        config = TrainConfig.flat(model="gemma3-270m", tokenizer="gemma3", maxlen=maxlen,
                              batch_size=16384 // maxlen, attention=name)
         return plan.estimate(config, accelerator).breakdown["activations"]
 
@@ -325,7 +325,7 @@ def test_splash_compiles_for_tpu_and_needs_less_temporary_memory():
     """The train step with splash, lowered and compiled by libtpu for v6e chips: the Mosaic
     kernel compiles, alone and under shard_map, and the step's temporaries shrink (no
     [B, N, L, L] scores kept: 36 vs 133 MB here). One libtpu subprocess for the three."""
-    config = TrainConfig(model="gemma3-tiny", tokenizer_vocab_size=600, batch_size=2,
+    config = TrainConfig.flat(model="gemma3-tiny", tokenizer_vocab_size=600, batch_size=2,
                          maxlen=1024, compute_dtype="bfloat16")
     # Four chips, rows over data and heads over tensor (shard_map), blocks rematerialised.
     split = dataclasses.replace(config, attention="splash", batch_size=8, maxlen=256,

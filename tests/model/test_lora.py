@@ -94,7 +94,7 @@ def test_lora_alpha_scales_the_update_as_peft_does(tiny):
 def test_lora_parameters_are_checked_in_the_config():
     for name, value in (("lora_rank", -1), ("lora_alpha", 0.0), ("lora_modules", "embedder")):
         with pytest.raises(ConfigError, match=name):
-            TrainConfig(**{name: value})
+            TrainConfig.flat(**{name: value})
 
 
 def _config(tmp_path, cache_dir, stories_file, name, **overrides):
@@ -103,7 +103,7 @@ def _config(tmp_path, cache_dir, stories_file, name, **overrides):
                   eval_every=5, checkpoint_every=4, tokenizer_vocab_size=600,
                   tokenize_workers=1, seed=5, compute_dtype="float32", lora_rank=RANK,
                   lora_alpha=8.0, learning_rate=1e-2, num_layers=2)
-    return TrainConfig(**{**values, **overrides})
+    return TrainConfig.flat(**{**values, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_the_base_weights_are_held_in_the_compute_dtype(tmp_path, cache_dir, sto
 @pytest.mark.slow
 def test_a_lora_run_saves_merged_params_and_adapters_and_samples_alike(lora_run):
     _, experiment, _, _ = lora_run
-    output = experiment.config.output_dir
+    output = experiment.config.runtime.output_dir
     merged = orbax_params.load_params(f"{output}/params")
     for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(experiment.inference_params()),
                     strict=True):
@@ -191,10 +191,10 @@ def test_a_resume_whose_base_file_changed_is_refused(lora_run, cache_dir, storie
     its held weights' digest and a resume on other ones is refused, naming ``checkpoint``."""
     tmp_path, whole, _, _ = lora_run
     base = str(tmp_path / "base-run" / "params")  # a run's params, its tokenizer beside them
-    original = orbax_params.load_params(f"{whole.config.output_dir}/params")
+    original = orbax_params.load_params(f"{whole.config.runtime.output_dir}/params")
     orbax_params.save_params(original, base)
     for name in ("tokenizer.model", "summary.json"):
-        shutil.copy(f"{whole.config.output_dir}/{name}", tmp_path / "base-run")
+        shutil.copy(f"{whole.config.runtime.output_dir}/{name}", tmp_path / "base-run")
     config = _config(tmp_path, cache_dir, stories_file, "on-a-file", checkpoint=base,
                      max_steps=1, checkpoint_every=1, eval_every=0)
     Experiment.prepare(config).train(progress=False)
@@ -270,13 +270,13 @@ def test_lora_train_tokens_resolve_to_ids_and_unknown_pieces_are_refused(cache_d
     from gemmalab.data.tokenizer import load_tokenizer
     from gemmalab.train.experiment import trained_token_ids
 
-    config = TrainConfig(lora_rank=4, lora_train_tokens=["<end_of_turn>", "<start_of_turn>"],
+    config = TrainConfig.flat(lora_rank=4, lora_train_tokens=["<end_of_turn>", "<start_of_turn>"],
                          cache_dir=str(cache_dir))
     _, info = load_tokenizer("gemma3", cache_dir=cache_dir, training_stories=None, vocab_size=0,
                              corpus_fingerprint="")
     assert trained_token_ids(config, info, chat=False) == (105, 106)
     # None: the turn tokens for chat data on a pretrained checkpoint, else none.
-    chat_run = TrainConfig(checkpoint="embedded:gemma3-270m", lora_rank=4)
+    chat_run = TrainConfig.flat(checkpoint="embedded:gemma3-270m", lora_rank=4)
     assert trained_token_ids(chat_run, info, chat=True) == (105, 106)
     assert trained_token_ids(chat_run, info, chat=False) == ()
     assert trained_token_ids(dataclasses.replace(chat_run, lora_rank=0), info, chat=True) == ()

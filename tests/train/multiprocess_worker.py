@@ -35,7 +35,7 @@ def main() -> None:
     from gemmalab.train.experiment import Experiment
 
     # fsdp over both processes: each holds and checkpoints only its shards.
-    config = TrainConfig(
+    config = TrainConfig.flat(
         data_path=data_path, cache_dir=f"{work_dir}/cache{process_id}",  # one cache per "host"
         output_dir=f"{work_dir}/run", batch_size=8, maxlen=64, max_steps=6, eval_every=3,
         tokenizer_vocab_size=600, tokenize_workers=1, seed=5, mesh={"fsdp": -1},
@@ -74,7 +74,7 @@ def crash_and_resume(config, output_dir: str) -> tuple[list[float], int]:
 
     config = dataclasses.replace(config, output_dir=output_dir)
     first = Experiment.prepare(config)
-    real, calls = first.train_step, [0]
+    real, calls = first.compile(), [0]
 
     def step_or_crash(state, batch, frozen=None):
         calls[0] += 1
@@ -82,7 +82,7 @@ def crash_and_resume(config, output_dir: str) -> tuple[list[float], int]:
             raise RuntimeError("killed")
         return real(state, batch, frozen)
 
-    first.__dict__["train_step"] = step_or_crash
+    first.train_step = step_or_crash
     try:
         first.train(progress=False)
     except RuntimeError:
@@ -116,7 +116,7 @@ def data_across_processes(data_path: str, work_dir: str) -> None:
             building[0] = False
 
     parquet.iter_rows, token_cache._build_token_cache = logged_rows, logged_build
-    config = TrainConfig(data_path=data_path, cache_dir=f"{work_dir}/cache{jax.process_index()}",
+    config = TrainConfig.flat(data_path=data_path, cache_dir=f"{work_dir}/cache{jax.process_index()}",
                          batch_size=8, maxlen=64, tokenizer_vocab_size=600, tokenize_workers=1,
                          seed=5, eval_fraction=0.1, max_eval_stories=3)
     prepared = preparation.prepare_data(config)

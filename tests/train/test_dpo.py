@@ -95,7 +95,8 @@ def test_the_step_loss_is_dpo_of_the_two_models_sequence_logps():
     assert float(rpo_sums["dpo_loss"]) == pytest.approx(expected, rel=1e-4)
     assert float(rpo_total) == pytest.approx(expected + 0.5 * chosen_nll, rel=1e-4)
     assert rpo_settings == optimization.Preference.of(
-        TrainConfig(objective="dpo", dpo_beta=beta, dpo_rpo_alpha=0.5), model, 4)
+        TrainConfig.flat(objective="dpo", dpo_beta=beta, dpo_rpo_alpha=0.5).dpo, model, 4,
+        adapters=False)
 
 
 @pytest.mark.slow  # 16-35 s on 2 cores, compiling the DPO losses and steps
@@ -271,7 +272,7 @@ def test_a_killed_dpo_run_resumes_exactly_with_its_reference_read_again(tmp_path
     from gemmalab.train.experiment import Experiment
 
     def config(name):
-        return TrainConfig(objective="dpo", embedded_stories=60, tokenizer_vocab_size=2048,
+        return TrainConfig.flat(objective="dpo", embedded_stories=60, tokenizer_vocab_size=2048,
                            cache_dir=str(cache_dir), output_dir=str(tmp_path / name),
                            batch_size=8, maxlen=512, max_steps=7, eval_every=0,
                            checkpoint_every=3, tokenize_workers=1, seed=2,

@@ -19,7 +19,7 @@ def small_config(tmp_path, cache_dir, stories_file, **overrides) -> TrainConfig:
                   output_dir=str(tmp_path / "run"), batch_size=8, maxlen=64, max_steps=12,
                   eval_every=5, tokenizer_vocab_size=600, tokenize_workers=1, seed=3)
     values.update(overrides)
-    return TrainConfig(**values)
+    return TrainConfig.flat(**values)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_flops_mfu_and_start_up_are_reported(finished_run):
 
 def test_outputs_on_disk(finished_run):
     experiment, summary, saved, _ = finished_run
-    output = experiment.config.output_dir
+    output = experiment.config.runtime.output_dir
     with open(f"{output}/metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(1, 13))

@@ -30,7 +30,7 @@ PERPLEXITY_BOUND = 40.0
 
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory, cache_dir):
-    config = TrainConfig(checkpoint="embedded:gemma3-270m", lora_rank=8, learning_rate=1e-3,
+    config = TrainConfig.flat(checkpoint="embedded:gemma3-270m", lora_rank=8, learning_rate=1e-3,
                          batch_size=8, maxlen=128, max_steps=3, warmup_ratio=0.0,
                          embedded_stories=300, max_eval_stories=8, eval_every=0,
                          cache_dir=str(cache_dir),
@@ -39,7 +39,7 @@ def experiment(tmp_path_factory, cache_dir):
 
 
 def test_the_embedded_base_is_gemma3_270m_with_its_own_vocabulary(experiment):
-    assert experiment.config.model == "gemma3-270m"
+    assert experiment.config.model.preset == "gemma3-270m"
     assert experiment.prepared.tokenizer_info.vocab_size == 262_144
     assert experiment.data_stats["tokenizer"].startswith("gemma3")
     # 268M base weights, frozen; LoRA's adapters alone train.

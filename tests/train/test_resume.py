@@ -32,7 +32,7 @@ def _config(tmp_path, cache_dir, stories_file, name, **overrides):
                   output_dir=str(tmp_path / name), batch_size=8, maxlen=64, max_steps=12,
                   eval_every=6, checkpoint_every=4, tokenizer_vocab_size=600,
                   tokenize_workers=1, seed=5, compute_dtype="float32", num_layers=2)
-    return TrainConfig(**{**values, **overrides})
+    return TrainConfig.flat(**{**values, **overrides})
 
 
 def _metric_rows(output_dir):
@@ -50,7 +50,7 @@ class Crash(RuntimeError):
 
 def _crash_at(experiment, step):
     """Make the run die (as a kill would) when it is about to run ``step``."""
-    real = experiment.train_step
+    real = experiment.compile()
     calls = {"n": experiment.weights.start_step}
 
     def step_or_crash(state, batch, frozen=None):
@@ -59,7 +59,7 @@ def _crash_at(experiment, step):
             raise Crash(f"killed before step {step}")
         return real(state, batch, frozen)
 
-    experiment.__dict__["train_step"] = step_or_crash
+    experiment.train_step = step_or_crash
 
 
 def crashed_run(config, step, before_training=None):
@@ -435,7 +435,7 @@ def test_papermill_runs_survive_sigkill_and_sigterm(tmp_path, cache_dir, stories
     steps, losses = _losses(output_dir)
     assert steps == list(range(1, 33))
 
-    reference = Experiment.prepare(TrainConfig(
+    reference = Experiment.prepare(TrainConfig.flat(
         data_path=str(stories_file), cache_dir=str(cache_dir), output_dir=str(tmp_path / "ref"),
         batch_size=16, maxlen=128, max_steps=32, eval_every=0, checkpoint_every=8,
         tokenizer_vocab_size=600, tokenize_workers=1, seed=5, compute_dtype="float32",

@@ -3,7 +3,6 @@ as metrics.jsonl and eval.jsonl, each step once after a resume, the samples and 
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,10 +10,9 @@ import pytest
 from gemmalab.config import TrainConfig
 from gemmalab.model.sampling import Continuation
 from gemmalab.train import metrics, tensorboard_log
-from gemmalab.train.experiment import Experiment
 
 RTOL = 1e-6  # scalars are stored as float32 (eps 1.2e-7)
-CONFIG = TrainConfig(output_dir="runs/tb", learning_rate=3e-3, mesh={"data": -1})
+CONFIG = TrainConfig.flat(output_dir="runs/tb", learning_rate=3e-3, mesh={"data": -1})
 
 
 def never_called(step, values):
@@ -190,13 +188,14 @@ def test_samples_are_text_at_their_step(tmp_path):
 
 
 def test_only_the_main_process_writes_and_tensorboard_false_writes_nothing(tmp_path):
-    def experiment(main=True, **fields):
-        return SimpleNamespace(config=TrainConfig(output_dir=str(tmp_path), **fields),
-                               is_main_process=main, weights=SimpleNamespace(start_step=0))
+    def board_of(main=True, **fields):
+        config = TrainConfig.flat(output_dir=str(tmp_path), **fields)
+        return tensorboard_log.for_run(config.runtime.output_dir, resume_step=0, hparams={},
+                                       enabled=config.metrics.tensorboard and main)
 
-    assert Experiment.tensorboard.func(experiment(tensorboard=False)) is None
-    assert Experiment.tensorboard.func(experiment(main=False)) is None
+    assert board_of(tensorboard=False) is None
+    assert board_of(main=False) is None
     assert not (tmp_path / "tensorboard").exists()
-    board = Experiment.tensorboard.func(experiment())
+    board = board_of()
     assert board.directory == f"{tmp_path}/tensorboard"
     assert metrics.MetricsSink(str(tmp_path), enabled=False, tensorboard=board).tensorboard is None

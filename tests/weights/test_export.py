@@ -301,7 +301,7 @@ def test_an_hf_directory_is_a_checkpoint_of_a_run(tiny, sp_model, tmp_path):
     assert resolved.format == "hf"
     assert sources.resolve(str(tmp_path), "gemma3-tiny", tmp_path).format == "orbax"
     device_mesh = mesh.make_mesh({"fsdp": -1})
-    run_config = TrainConfig(model="gemma3-tiny", checkpoint=str(tmp_path / "hf"))
+    run_config = TrainConfig.flat(model="gemma3-tiny", checkpoint=str(tmp_path / "hf"))
 
     def initial(model_config):
         model = presets.build_model(model_config, param_dtype=jnp.float32)

@@ -1,0 +1,145 @@
+"""What a config leaves open, decided from its checkpoint: a step of the weights stage.
+
+A ``TrainConfig`` is a pure value: ``model=None``, ``tokenizer=None``, ``num_layers=None``,
+``batch_size=None`` and an empty ``data_path`` mean "the checkpoint's", "the model's" or "the
+objective's". ``resolve`` decides them, partly from what lies on disk (a gemmalab run's
+``summary.json`` beside its params, a Hugging Face directory's ``tokenizer.model`` and
+``config.json``), and returns the decided config with a record of each decision, which the run
+writes to ``summary.json`` (``resolved``). The checks that need those files run here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from gemmalab.config import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_MODEL,
+    EMBEDDED_BASES,
+    EMBEDDED_PREFERENCES,
+    PRESET_NAMES,
+    TrainConfig,
+)
+from gemmalab.errors import require
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """The decided config and, per decided flat name, its value and what decided it."""
+
+    config: TrainConfig
+    decisions: dict[str, dict[str, Any]]
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return self.decisions
+
+
+def resolve(config: TrainConfig) -> Resolved:
+    """Decide the model, tokenizer, depth, batch and data set that ``config`` leaves open.
+    Idempotent: a resolved config resolves to itself."""
+    model, trainer, data = config.model, config.trainer, config.data
+    checkpoint = model.checkpoint
+    run = run_params_of(checkpoint)
+    decisions: dict[str, dict[str, Any]] = {}
+
+    def decide(name: str, given: Any, value: Any, source: str) -> Any:
+        decided = (given, "given") if given is not None else (value, source)
+        decisions[name] = {"value": decided[0], "from": decided[1]}
+        return decided[0]
+
+    preset = decide("model", model.preset, *_model_of_checkpoint(checkpoint, run))
+    tokenizer = decide("tokenizer", model.tokenizer, *_tokenizer_of_checkpoint(checkpoint, run))
+    run_depth = None if run is None else run.get("num_layers")
+    num_layers = decide("num_layers", model.num_layers, run_depth,
+                        "the run's summary.json" if run is not None else "the preset")
+    batch_size = decide("batch_size", trainer.batch_size,
+                        DEFAULT_BATCH_SIZES.get(preset, DEFAULT_BATCH_SIZE),
+                        f"{preset}'s default")
+    data_path = decide("data_path", data.path or None,
+                       EMBEDDED_PREFERENCES if trainer.objective == "dpo" else "",
+                       f"the {trainer.objective} objective's embedded set")
+
+    require(num_layers is None or not checkpoint
+            or (run is not None and run.get("num_layers") == num_layers), "num_layers",
+            f"a cut model ({num_layers} layers) cannot load {checkpoint!r}, which holds every "
+            "layer of its model", "leave num_layers None to load a checkpoint")
+    require(not (tokenizer == "local" and is_pretrained(checkpoint)), "tokenizer",
+            "a tokenizer trained on the corpus cannot read a pretrained checkpoint's "
+            "embeddings", "leave tokenizer unset (None: the checkpoint's own) or use 'gemma3'")
+    decided = dataclasses.replace(
+        config,
+        model=dataclasses.replace(model, preset=preset, tokenizer=tokenizer,
+                                  num_layers=num_layers),
+        trainer=dataclasses.replace(trainer, batch_size=batch_size),
+        data=dataclasses.replace(data, path=data_path))
+    return Resolved(decided, decisions)
+
+
+def resolved(config: TrainConfig) -> TrainConfig:
+    """``config`` with everything it leaves open decided (``resolve(config).config``)."""
+    return resolve(config).config
+
+
+def _model_of_checkpoint(checkpoint: str, run: dict[str, Any] | None) -> tuple[str, str]:
+    """The preset a checkpoint names by itself (an embedded base, GEMMA3_270M_PT -> gemma3-270m,
+    a gemmalab run's params: the model that run trained); DEFAULT_MODEL for random init. Other
+    paths name none: their model must be given."""
+    if checkpoint in EMBEDDED_BASES:
+        return EMBEDDED_BASES[checkpoint], "the embedded base"
+    if run is not None and run.get("model") in PRESET_NAMES:
+        return run["model"], "the run's summary.json"
+    upper = checkpoint.upper()
+    if upper.startswith("GEMMA3_") and upper.count("_") == 2:
+        preset = "gemma3-" + upper.split("_")[1].lower()
+        if preset in PRESET_NAMES:
+            return preset, "the checkpoint's name"
+    return DEFAULT_MODEL, "the default"
+
+
+def _tokenizer_of_checkpoint(checkpoint: str, run: dict[str, Any] | None) -> tuple[str, str]:
+    """The tokenizer that goes with a checkpoint: its own vocabulary (a gemmalab run's params:
+    the tokenizer that run used), never a freshly trained one."""
+    if not checkpoint:
+        return "local", "random init"
+    if checkpoint.endswith(".gguf"):
+        return checkpoint, "the GGUF's own vocabulary"  # gemmalab.weights.gguf_vocab
+    if checkpoint.startswith(("gs://", "embedded:")):
+        return "gemma3", "the checkpoint's kind"
+    own = Path(checkpoint) / "tokenizer.model"  # a Hugging Face directory's
+    if own.is_file():
+        return str(own), "the checkpoint's tokenizer.model"
+    if run is not None:
+        # The very tokenizer the run saved beside its params: a "local" one is trained per
+        # corpus, so naming "local" again would train another on a continuing run's new data.
+        saved = Path(checkpoint).parent / "tokenizer.model"
+        if saved.is_file():
+            return str(saved), "the run's saved tokenizer.model"
+        return run.get("tokenizer", "gemma3"), "the run's summary.json"
+    return "gemma3", "the default for pretrained weights"
+
+
+def run_params_of(checkpoint: str) -> dict[str, Any] | None:
+    """The parameters of the gemmalab run whose ``output_dir/params`` ``checkpoint`` is (its
+    ``summary.json`` beside them), else None."""
+    if not checkpoint or checkpoint.startswith(("gs://", "embedded:")):
+        return None
+    run_summary = Path(checkpoint).parent / "summary.json"
+    if not run_summary.is_file():
+        return None
+    return json.loads(run_summary.read_text()).get("params", {})
+
+
+def is_pretrained(checkpoint: str) -> bool:
+    """Weights trained with their own vocabulary elsewhere (not a gemmalab run's params, which
+    may come from a local tokenizer)."""
+    if not checkpoint:
+        return False
+    if checkpoint in EMBEDDED_BASES or checkpoint.endswith(".gguf"):
+        return True
+    if checkpoint.upper().startswith("GEMMA3_") and "/" not in checkpoint:
+        return True
+    return (Path(checkpoint) / "config.json").is_file()  # a Hugging Face directory

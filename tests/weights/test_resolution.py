@@ -1,0 +1,88 @@
+"""What a config leaves open, decided from its checkpoint (gemmalab.weights.resolution)."""
+
+import json
+
+import pytest
+
+from gemmalab.config import TrainConfig
+from gemmalab.errors import ConfigError
+from gemmalab.weights.resolution import resolve
+
+
+def decided(**values):
+    return resolve(TrainConfig.flat(**values)).config
+
+
+def test_the_batch_defaults_to_the_models():
+    assert decided().trainer.batch_size == 16  # gemma3-tiny: fastest to a given quality on CPUs
+    assert decided(model="gemma3-270m").trainer.batch_size == 64
+    assert decided(model="gemma3-270m", batch_size=128).trainer.batch_size == 128
+
+
+def test_the_model_and_tokenizer_follow_the_checkpoint(tmp_path):
+    embedded = decided(checkpoint="embedded:gemma3-270m")
+    assert (embedded.model.preset, embedded.model.tokenizer) == ("gemma3-270m", "gemma3")
+    assert decided(checkpoint="GEMMA3_1B_PT").model.preset == "gemma3-1b"
+    assert (decided().model.preset, decided().model.tokenizer) == ("gemma3-tiny", "local")
+    gguf_file = str(tmp_path / "model.gguf")
+    assert decided(model="gemma3-270m", checkpoint=gguf_file).model.tokenizer == gguf_file
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.model").write_bytes(b"")
+    assert decided(model="gemma3-270m", checkpoint=str(tmp_path / "hf")).model.tokenizer == \
+        str(tmp_path / "hf" / "tokenizer.model")
+
+
+def test_dpo_without_data_reads_the_embedded_preference_set():
+    assert decided(objective="dpo").data.path == "embedded:preferences"
+    assert decided().data.path == ""
+
+
+def test_each_decision_is_recorded_with_what_made_it():
+    resolved = resolve(TrainConfig.flat(checkpoint="embedded:gemma3-270m", batch_size=8))
+    assert resolved.to_dict()["model"] == {"value": "gemma3-270m", "from": "the embedded base"}
+    assert resolved.to_dict()["batch_size"] == {"value": 8, "from": "given"}
+    assert resolved.to_dict()["tokenizer"] == {"value": "gemma3",
+                                               "from": "the checkpoint's kind"}
+    assert resolve(resolved.config).config == resolved.config  # idempotent
+
+
+def test_a_local_tokenizer_with_a_pretrained_checkpoint_is_refused():
+    with pytest.raises(ConfigError) as error:
+        decided(checkpoint="embedded:gemma3-270m", tokenizer="local")
+    assert str(error.value).startswith("tokenizer: a tokenizer trained on the corpus")
+    assert "\n" not in str(error.value)
+
+
+def test_a_runs_params_come_with_the_tokenizer_that_run_saved(tmp_path):
+    """A continuing run (DPO after SFT) reads the very tokenizer saved beside the params: a
+    'local' one would otherwise be trained again on the new run's data, another vocabulary."""
+    run = tmp_path / "sft"
+    (run / "params").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"params": {"tokenizer": "local"}}))
+    assert decided(checkpoint=str(run / "params")).model.tokenizer == "local"
+    (run / "tokenizer.model").write_bytes(b"sentencepiece")
+    assert decided(checkpoint=str(run / "params")).model.tokenizer == str(run / "tokenizer.model")
+
+
+def test_a_runs_params_name_the_model_that_run_trained(tmp_path):
+    run = tmp_path / "sft"
+    (run / "params").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"params": {"model": "gemma3-270m",
+                                                             "tokenizer": "gemma3"}}))
+    config = decided(checkpoint=str(run / "params"))
+    assert config.model.preset == "gemma3-270m" and config.model.tokenizer == "gemma3"
+
+
+def test_a_cut_model_trains_from_random_init_or_from_its_own_runs_params(tmp_path):
+    """num_layers cuts the preset: no pretrained checkpoint holds such a model, a cut run's
+    params do (and bring their depth along, as they bring their model)."""
+    with pytest.raises(ConfigError, match="^num_layers: a cut model .*Fix: leave num_layers None"):
+        decided(checkpoint="embedded:gemma3-270m", num_layers=2)
+    run = tmp_path / "cut"
+    (run / "params").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"params": {"model": "gemma3-tiny",
+                                                             "num_layers": 2}}))
+    assert decided(checkpoint=str(run / "params")).model.num_layers == 2
+    assert decided(checkpoint=str(run / "params"), num_layers=2).model.num_layers == 2
+    with pytest.raises(ConfigError, match="^num_layers: "):
+        decided(checkpoint=str(run / "params"), num_layers=3)
