@@ -88,7 +88,7 @@ interop: $(STAMP) $(INTEROP)/.installed
 		$(if $(INTEROP_RUN),--run $(INTEROP_RUN),)
 
 # A fresh run each time: a run directory that holds checkpoints would be resumed instead.
-# The demo's recipe on 2 CPU cores (bench/demo_recipe.py, docs/benchmarks.md): the notebook's
+# The demo's recipe on 2 CPU cores (bench/demo_recipe.py, docs/benchmarks/demo-270m.md): the notebook's
 # defaults (the embedded Gemma 3 270M, LoRA r8 at its default LR 1e-3) at a size that trains in
 # minutes, also on CPUs without bf16 matmul units (16 steps of 15 s there; ~5 s with AMX).
 # papermill's command line, the kernel ended as soon as the last cell is done (gemmalab/headless.py).
@@ -152,7 +152,7 @@ cluster-down: $(STAMP)
 # The inner loop: everything but the notebooks, multi-process and server runs. It is
 # compile-bound (XLA compiling tiny programs that run for milliseconds), so it compiles with LLVM
 # at level 0 instead of XLA's 3: ~10% less time. Not `make test`: there the long runs lose what
-# the compiles save (docs/benchmarks.md).
+# the compiles save (docs/benchmarks/make-test-cpu-time.md).
 test-fast: $(STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" \
 		$(PYTEST) $(PARALLEL) -m "not slow" tests

@@ -15,7 +15,7 @@ Part 2, without a chip: the train step of ``--aot-model`` compiled by libtpu for
 ``--topologies`` (``gemmalab.plan.compile_plan``), gemma against splash, its temporaries.
 Skipped where libtpu is not installed (``make libtpu``).
 
-Prints markdown tables (docs/benchmarks.md, "Attention at long maxlen").
+Prints markdown tables (docs/benchmarks/attention.md).
 """
 
 from __future__ import annotations

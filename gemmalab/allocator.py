@@ -5,7 +5,7 @@ step starts and frees them as it ends. glibc's malloc hands every block above 32
 kernel when it is freed, and maps it afresh the next step. mimalloc (``MIMALLOC_PURGE_DELAY=-1``,
 2 MiB pages) keeps freed memory for the next step instead, at the price of a higher high-water
 mark that a process keeps until it exits. What that buys depends on the host (the 270M at
-8 x 128 on 2 cores, ``bench/allocator.py``, docs/benchmarks.md):
+8 x 128 on 2 cores, ``bench/allocator.py``, docs/benchmarks/page-reporting.md):
 
 - **An ordinary host** (bare metal, most VMs): mapping a block afresh only costs the kernel's
   page zeroing, ~0.4 s of CPU a LoRA step. mimalloc's steady LoRA step is 1.04x glibc's, for

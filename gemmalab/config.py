@@ -49,7 +49,7 @@ ATTENTION_IMPLS = ("auto", "gemma", "dot_product", "splash")
 
 
 # Rows per step when batch_size is None. The tiny preset reaches a given held-out quality
-# soonest at 16 on CPUs (4x the updates of 64 in about the same seconds: docs/benchmarks.md, "Time
+# soonest at 16 on CPUs (~4x the updates of 64 a second: docs/benchmarks/time-to-quality.md, "Time
 # to quality"); the Gemma 3 checkpoints at 64.
 DEFAULT_BATCH_SIZES = {"gemma3-tiny": 16}
 DEFAULT_BATCH_SIZE = 64

@@ -28,7 +28,7 @@ class Preset:
     default_learning_rate: float
     multimodal: bool = False
     # LoRA's adapters start at zero and are few: they take a larger step than full fine-tuning.
-    # 2e-4 is PEFT's usual rate; the 270M measured better at 1e-3 (docs/benchmarks.md).
+    # 2e-4 is PEFT's usual rate; the 270M did better at 1e-3: docs/benchmarks/lora-learning-rate.md.
     default_lora_learning_rate: float = 2e-4
     # DPO moves a model that already writes well by small margins; None: the LoRA rate above.
     default_lora_dpo_learning_rate: float | None = None

@@ -273,7 +273,7 @@ def test_dense_masks_and_kv_caches_stay_on_gemmas_code(tiny, monkeypatch):
 
 def test_the_memory_plan_counts_no_scores_for_splash():
     """The analytic plan: with splash (auto on a TPU) a step's activations do not grow with
-    maxlen at a constant token count, as compiled (docs/benchmarks.md: 9.2 GiB of temporaries
+    maxlen at a fixed token count, as compiled (docs/benchmarks/attention.md: 9.2 GiB of temporaries
     for gemma3-270m from maxlen 256 to 8192); gemma's keep growing with the scores."""
     def activations(maxlen, name, accelerator="v6e:1x1"):
         config = TrainConfig.flat(model="gemma3-270m", tokenizer="gemma3", maxlen=maxlen,

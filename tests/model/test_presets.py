@@ -96,7 +96,7 @@ def test_random_init_draws_each_weight_from_its_own_key_with_its_fan_in_std():
 
 def test_default_learning_rates_follow_lora_and_the_objective():
     lr = presets.default_learning_rate
-    # The 270M's LoRA rate came from measured sweeps (docs/benchmarks.md); DPO takes its own.
+    # The 270M's LoRA rate came from sweeps (docs/benchmarks/lora-learning-rate.md); DPO: its own.
     assert lr("gemma3-270m", lora=True) == 1e-3
     assert lr("gemma3-270m", lora=True, objective="dpo") == 1e-4
     assert lr("gemma3-270m", lora=False, objective="dpo") == lr("gemma3-270m", lora=False)
