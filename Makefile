@@ -88,9 +88,9 @@ interop: $(STAMP) $(INTEROP)/.installed
 		$(if $(INTEROP_RUN),--run $(INTEROP_RUN),)
 
 # A fresh run each time: a run directory that holds checkpoints would be resumed instead.
-# The demo's recipe on 2 CPU cores (bench/demo_recipe.py, docs/benchmarks/demo-270m.md): the notebook's
-# defaults (the embedded Gemma 3 270M, LoRA r8 at its default LR 1e-3) at a size that trains in
-# minutes, also on CPUs without bf16 matmul units (16 steps of 15 s there; ~5 s with AMX).
+# The demo recipe (gemmalab/recipes.py; bench/demo_recipe.py, docs/benchmarks/demo-270m.md):
+# the embedded Gemma 3 270M, LoRA r8 at its default LR 1e-3, at a size that trains in minutes on
+# 2 CPU cores, also on CPUs without bf16 matmul units (16 steps of 15 s there; ~5 s with AMX).
 # papermill's command line, the kernel ended as soon as the last cell is done (gemmalab/headless.py).
 HEADLESS := $(VENV)/bin/python -m gemmalab.headless
 DEMO := -p recipe demo
