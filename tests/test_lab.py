@@ -17,7 +17,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,7 +10,10 @@ import sys
 import kubernetes_validate
 import pytest
 import yaml
-from k8s_helpers import (
+
+from gemmalab.k8s import gcsfuse, manifests, standard
+from gemmalab.k8s.config import DATA_MOUNT, OUTPUTS_MOUNT, RUN_AS_USER, ClusterConfig
+from tests.helpers.k8s import (
     HUB_FILE,
     K8S,
     KUBERNETES_VERSION,
@@ -28,9 +31,6 @@ from k8s_helpers import (
     pods,
     topology_chips,
 )
-
-from gemmalab.k8s import gcsfuse, manifests, standard
-from gemmalab.k8s.config import DATA_MOUNT, OUTPUTS_MOUNT, RUN_AS_USER, ClusterConfig
 
 DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DOCS = committed_training_docs()

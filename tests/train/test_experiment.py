@@ -5,21 +5,13 @@ import json
 
 import numpy as np
 import pytest
-from conftest import PROMPT, write_text
 
-from gemmalab.config import TrainConfig
 from gemmalab.data import token_cache
 from gemmalab.errors import ConfigError
 from gemmalab.model import presets
 from gemmalab.train.experiment import Experiment
-
-
-def small_config(tmp_path, cache_dir, stories_file, **overrides) -> TrainConfig:
-    values = dict(data_path=str(stories_file), cache_dir=str(cache_dir),
-                  output_dir=str(tmp_path / "run"), batch_size=8, maxlen=64, max_steps=12,
-                  eval_every=5, tokenizer_vocab_size=600, tokenize_workers=1, seed=3)
-    values.update(overrides)
-    return TrainConfig(**values)
+from tests.helpers import PROMPT, write_text
+from tests.helpers.runs import small_config
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
-from test_optimization import short_tiny
 
 from gemmalab import plan
 from gemmalab.errors import ConfigError
 from gemmalab.weights import gguf, hf_layout, safetensors_io, sources
+from tests.helpers.models import short_tiny
 
 Q = GGMLQuantizationType
 VOCAB = 64
