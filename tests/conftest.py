@@ -13,28 +13,18 @@ import dataclasses
 import itertools
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# Flags every test process gets unless XLA_FLAGS already names them (`make test-fast` adds an
-# LLVM level there; `make test-numerics` other CPU kernels).
-TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8"}
+import pytest
 
+# The helpers' asserts report their operands, as the tests' own do.
+pytest.register_assert_rewrite("tests.helpers")
 
-def xla_flags(**overrides: str) -> str:
-    """XLA_FLAGS with the suite's defaults added where unset, and ``overrides`` (a flag's name
-    without its dashes) replacing any value: for the processes a test starts."""
-    flags = dict(flag.split("=", 1) if "=" in flag else (flag, "")
-                 for flag in os.environ.get("XLA_FLAGS", "").split())
-    for name, value in TEST_XLA_FLAGS.items():
-        flags.setdefault(name, value)
-    flags.update({f"--{name}": value for name, value in overrides.items()})
-    return " ".join(f"{name}={value}" if value else name for name, value in flags.items())
-
+from tests.helpers import xla_flags  # noqa: E402
 
 os.environ["XLA_FLAGS"] = xla_flags()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -45,26 +35,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
-# tests/<stage>/ mirrors gemmalab/<stage>/. Test modules reuse helpers across those folders
-# (e.g. model/test_lora.py resumes runs with train/test_resume.py's helpers): each folder is on
-# the path, as pytest's default import mode puts a test module's own folder there.
+# tests/<stage>/ mirrors gemmalab/<stage>/; tests/ and each stage folder are packages (the
+# modules are tests.<stage>.test_*), and what test modules share is in tests/helpers/.
 TESTS = Path(__file__).resolve().parent
-STAGE_FOLDERS = ("data", "inspect", "k8s", "model", "train", "weights")
-sys.path[:0] = [str(TESTS / folder) for folder in STAGE_FOLDERS]
 
-import socket  # noqa: E402
-
-import pytest  # noqa: E402
-from notebook_regression import (  # noqa: E402, F401
+import gemmalab  # noqa: E402
+from gemmalab.data import corpus  # noqa: E402
+from tests.notebook_regression import (  # noqa: E402, F401
     pytest_addoption,
     pytest_collect_file,
     pytest_configure,
 )
-
-import gemmalab  # noqa: E402
-from gemmalab.data import corpus  # noqa: E402
-
-PROMPT = "Once upon a time, there was a girl named Amy."
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -88,21 +69,6 @@ def cache_dir(tmp_path_factory) -> Path:
 def stories_file(tmp_path_factory) -> Path:
     """A small TinyStories-format file from the embedded generator."""
     return corpus.write_corpus(tmp_path_factory.mktemp("data") / "stories.txt", 400, seed=1)
-
-
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_text(path: Path, text: str | bytes) -> Path:
-    if isinstance(text, bytes):
-        path.write_bytes(text)
-    else:
-        path.write_text(text, encoding="utf-8")
-    return path
 
 
 # --- the local Kubernetes (tests/k8s/test_k8s_cluster.py) ---------------------------------------

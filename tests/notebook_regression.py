@@ -16,8 +16,9 @@ loss. Here an output must match its stored copy as follows:
   itself is covered by unit tests.
 
 The tolerance is ``--nbval-rtol`` (default ``DEFAULT_RTOL``), or ``nbval-rtol=X`` as a cell tag.
-``tests/conftest.py`` imports the hooks below; elsewhere load them with ``-p notebook_regression``
-and pass ``--nbval-tolerant`` to collect notebooks outside ``tests/notebooks/``.
+``tests/conftest.py`` imports the hooks below; elsewhere load them with
+``-p tests.notebook_regression`` and pass ``--nbval-tolerant`` to collect notebooks outside
+``tests/notebooks/``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(autouse=True)
+def bench_importable(monkeypatch):
+    """The bench scripts import each other by bare name (as ``python bench/x.py`` runs them,
+    some adding bench/ to sys.path themselves): bench/ is importable during each test here, and
+    sys.path is restored after it (bench's own additions too)."""
+    monkeypatch.syspath_prepend(str(BENCH))
 
 
 @pytest.mark.slow

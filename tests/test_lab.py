@@ -17,7 +17,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,10 +118,11 @@ def test_lab_serves_the_notebooks_and_runs_them_in_the_project_kernel(lab):
 
     kernel = lab.post("/api/kernels", {"name": "gemmalab"})
     output = execute(lab, kernel["id"], parameters["source"] + "\n"
-                     "import sys, gemmalab.config\n"
-                     "config = gemmalab.config.TrainConfig.flat(model=model, checkpoint=checkpoint,\n"
-                     "                                     batch_size=batch_size)\n"
-                     "print(config.model.preset, config.model.tokenizer, sys.version_info[:2] == (3, 12))")
+                     "import sys, gemmalab.config, gemmalab.weights.resolution as r\n"
+                     "config = r.resolve(gemmalab.config.TrainConfig.from_parameters(\n"
+                     "    {'recipe': recipe})).config\n"
+                     "print(config.model.preset, config.model.tokenizer,\n"
+                     "      sys.version_info[:2] == (3, 12))")
     # The embedded pretrained base: its preset and its own (Gemma 3) vocabulary.
     assert output.split() == ["gemma3-270m", "gemma3", "True"]
 

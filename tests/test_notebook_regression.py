@@ -7,7 +7,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from notebook_regression import (
+
+from tests.notebook_regression import (
     DEFAULT_RTOL,
     compare_flat,
     compare_samples,
@@ -118,6 +119,7 @@ MUTANTS = {
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # its pytest subprocess's limit is 900 s
 def test_deliberate_regressions_fail_naming_the_cell_and_the_number(tmp_path):
     """The train copy, re-run with each regression injected into its parameters cell, fails;
     the report names the notebook, the cell, the row and how far its number moved."""

@@ -13,17 +13,11 @@ from gemmalab.data import chat, corpus, documents, packing, records, token_cache
 from gemmalab.data.chat import MODEL, USER, Conversation
 from gemmalab.data.tokenizer import LOCAL_SPECIAL_IDS, train_local_tokenizer
 from gemmalab.errors import ConfigError
+from tests.helpers import write_jsonl
 
 PAIR = Conversation(((USER, "Write a story about Mia."), (MODEL, "Mia had a kite.")))
 TWO_TURNS = Conversation(((USER, "Hi."), (MODEL, "Hello!"), (USER, "A story?"),
                           (MODEL, "Once upon a time.")))
-
-
-def write_jsonl(path: Path, *lines: object) -> Path:
-    """Each line: a record (JSON-encoded) or a raw string written as is."""
-    text = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n"
-    path.write_text(text, encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_chat import write_jsonl
 
 from gemmalab import storage
 from gemmalab.data import corpus, documents, parquet, preference_corpus, records, token_cache
 from gemmalab.data.tokenizer import TokenizerInfo, train_local_tokenizer
 from gemmalab.errors import ConfigError
+from tests.helpers import write_jsonl
 
 RULE = documents.SplitRule(0.1, 100)
 FACTS = pa.map_(pa.string(), pa.string())

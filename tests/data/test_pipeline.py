@@ -2,7 +2,6 @@ import json
 
 import numpy as np
 import pytest
-from conftest import write_text
 
 from gemmalab.data import documents, grain_batches, packing, token_cache
 from gemmalab.data.packing import (
@@ -17,6 +16,7 @@ from gemmalab.data.packing import (
 )
 from gemmalab.data.tokenizer import BOS_ID, EOS_ID
 from gemmalab.errors import ConfigError
+from tests.helpers import write_text
 
 SEP = "<|endoftext|>"
 
@@ -149,7 +149,7 @@ def test_token_cache_holds_bos_story_eos_and_is_reused(stories_file, local_token
 def test_a_tokenizing_worker_that_dies_is_a_one_line_error_not_a_hang(local_tokenizer):
     """A worker killed mid-task (the kernel's OOM killer) fails the build at once, naming the
     setting that avoids workers; multiprocessing.Pool waited for its result forever."""
-    from dying_encoder import die
+    from tests.helpers.dying_encoder import die
 
     stories = iter([("train", "Once upon a time.")] * 10)
     with pytest.raises(ConfigError, match=r"^tokenize_workers: a tokenizing worker process "

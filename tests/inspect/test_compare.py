@@ -1,10 +1,10 @@
 import pytest
-from conftest import PROMPT
 
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.inspect import compare
 from gemmalab.train.experiment import Experiment
+from tests.helpers import PROMPT
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,14 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from k8s_helpers import wait_for, with_pods
 from kubernetes import client as k8s
 
 from gemmalab.k8s import client, manifests
 from gemmalab.k8s.config import ClusterConfig
+from tests.helpers.k8s import wait_for, with_pods
 
-pytestmark = pytest.mark.slow
+# The first test starts the cluster, building its programs if not yet built (7-11 min cold).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 FAKE_LOG_LAST = ("kwok: on GKE this log holds the training notebook's output "
                  "(papermill --log-output).")
 DELAY = {"pod-complete.stage.kwok.x-k8s.io/delay": "60s"}  # running while the test reads it

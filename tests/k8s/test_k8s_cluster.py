@@ -19,7 +19,6 @@ from typing import Any
 import pandas as pd
 import pytest
 import yaml
-from k8s_helpers import wait_for, with_pods
 from kubernetes import client as k8s
 
 from gemmalab.errors import ConfigError
@@ -29,8 +28,10 @@ from gemmalab.k8s import sweep as sweeps
 from gemmalab.k8s.cluster import stack
 from gemmalab.k8s.config import ClusterConfig
 from gemmalab.k8s.render import to_dict
+from tests.helpers.k8s import wait_for, with_pods
 
-pytestmark = pytest.mark.slow
+# The first test starts the cluster, building its programs if not yet built (7-11 min cold).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[2]
 TRAINING_FILES = ("single-host-v6e-1x1.yaml", "multihost-v6e-2x4.yaml",
                   "multislice-2x-v6e-2x4.yaml", "gpu-h200.yaml", "kueue-v6e.yaml",

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 
 from gemmalab.k8s.cluster import build, nodes, stack
+from tests.helpers import free_port
 
 
 def cluster_up(tmp_path: Path, path_dirs: list[Path], **env: str) -> tuple[int, str]:

@@ -136,11 +136,20 @@ def test_the_batch_error_suggests_a_batch_that_fits():
 
 
 def test_valid_configs_pass():
-    ClusterConfig(accelerator="v5p", topology="2x2x2", params={"batch_size": 64})
-    ClusterConfig(accelerator="v6e", topology="2x4", chips_per_host=8)
-    ClusterConfig(accelerator="h100", gpus_per_node=1, params={"learning_rate": 1e-4})
-    ClusterConfig(image="us-docker.pkg.dev/p/r/gemmalab@sha256:" + "a" * 64)
-    ClusterConfig(job_name="g" * 57)
+    """The edges of what validation accepts, each meaning what it says."""
+    v5p = ClusterConfig(accelerator="v5p", topology="2x2x2", params={"batch_size": 64})
+    assert (v5p.total_hosts, v5p.total_devices, v5p.multi_host) == (2, 8, True)
+    assert dict(v5p.params) == {"batch_size": 64}  # 64 splits over the 8 chips
+    one_host = ClusterConfig(accelerator="v6e", topology="2x4", chips_per_host=8)
+    assert (one_host.total_hosts, one_host.devices_per_host, one_host.multi_host) == (1, 8, False)
+    assert one_host.tpu.machine_type == "ct6e-standard-8t"
+    gpu = ClusterConfig(accelerator="h100", gpus_per_node=1, params={"learning_rate": 1e-4})
+    assert gpu.is_gpu and (gpu.total_hosts, gpu.total_devices) == (1, 1)
+    assert dict(gpu.params) == {"learning_rate": 1e-4}
+    digest = "us-docker.pkg.dev/p/r/gemmalab@sha256:" + "a" * 64
+    assert ClusterConfig(image=digest).resolved_image == digest
+    # The pod name at the limit exactly (one more character is refused, above).
+    assert len(ClusterConfig(job_name="g" * 57).longest_pod_name) == 63
 
 
 def test_the_notebook_parameters_are_read_from_the_notebook():

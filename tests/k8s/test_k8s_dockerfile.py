@@ -7,10 +7,9 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 
-from k8s_helpers import ROOT
-
 from gemmalab.k8s import jupyterhub
 from gemmalab.k8s.config import RUN_AS_USER
+from tests.helpers.k8s import ROOT
 
 FINAL = ("cpu", "gpu", "tpu")
 

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from k8s_helpers import HUB_FILE, K8S, chart_defaults, helm_merge, hub_validator, load_docs
-
 from gemmalab.k8s.config import DATA_MOUNT, OUTPUTS_MOUNT, RUN_AS_USER, ClusterConfig
 from gemmalab.k8s.jupyterhub import CHART_VERSION, HubAuth, hub_values
+from tests.helpers.k8s import (
+    HUB_FILE,
+    K8S,
+    chart_defaults,
+    helm_merge,
+    hub_validator,
+    load_docs,
+)
 
 [VALUES] = load_docs(K8S / HUB_FILE)
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 import yaml
-from k8s_helpers import (
+
+from gemmalab.errors import ConfigError
+from gemmalab.k8s import kueue, manifests
+from gemmalab.k8s.config import ClusterConfig
+from tests.helpers.k8s import (
     K8S,
     KUBERNETES_VERSION,
     KUEUE_FILES,
@@ -18,10 +22,6 @@ from k8s_helpers import (
     pod_specs,
     pods,
 )
-
-from gemmalab.errors import ConfigError
-from gemmalab.k8s import kueue, manifests
-from gemmalab.k8s.config import ClusterConfig
 
 QUEUE_DOCS = [(name, doc) for name in KUEUE_FILES for doc in load_docs(K8S / name)]
 

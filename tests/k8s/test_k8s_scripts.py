@@ -9,9 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from k8s_helpers import ROOT
 
 from gemmalab.k8s import config
+from tests.helpers.k8s import ROOT
 
 GKE = ROOT / "scripts" / "gke"
 SCRIPTS = ("setup-cluster.sh", "install-jobset.sh", "install-kueue.sh", "setup-storage.sh",

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import yaml
-from k8s_helpers import pod_specs
 
 from gemmalab.errors import ConfigError
 from gemmalab.k8s import kueue, sweep
 from gemmalab.k8s.config import MAX_NAME, ClusterConfig
+from tests.helpers.k8s import pod_specs
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 

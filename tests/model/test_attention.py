@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_optimization import short_tiny
 
 from gemmalab import plan
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.model import attention, lora, mesh, presets
 from gemmalab.train import optimization
+from tests.helpers.models import short_tiny
 
 WINDOW = 16  # the tiny preset's local layers, narrowed well below the row
 LENGTH = 96  # not a multiple of splash's 128 lanes: the kernel's padding is exercised
@@ -293,10 +293,9 @@ def test_a_run_trains_evaluates_and_samples_with_a_fused_kernel(tmp_path, cache_
                                                                 stories_file):
     """TrainConfig.attention reaches the run's model: the same eval losses as gemma's attention
     (float32), and the sampler (KV cache, gemma's code) works on the fused model."""
-    from conftest import PROMPT
-    from test_experiment import small_config
-
     from gemmalab.train.experiment import Experiment
+    from tests.helpers import PROMPT
+    from tests.helpers.runs import small_config
 
     runs = {}
     for name in ("gemma", "dot_product"):
@@ -321,6 +320,7 @@ needs_libtpu = pytest.mark.skipif(plan.find_libtpu() is None,
 
 @needs_libtpu
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # three libtpu compiles: 480 s measured, 2 workers
 def test_splash_compiles_for_tpu_and_needs_less_temporary_memory():
     """The train step with splash, lowered and compiled by libtpu for v6e chips: the Mosaic
     kernel compiles, alone and under shard_map, and the step's temporaries shrink (no

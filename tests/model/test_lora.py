@@ -9,15 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import PROMPT
-from test_optimization import short_tiny
-from test_resume import _losses, crashed_run
 
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.model import lora, presets, sampling
 from gemmalab.train.experiment import Experiment
 from gemmalab.weights import orbax_params
+from tests.helpers import PROMPT
+from tests.helpers.models import short_tiny
+from tests.helpers.runs import _losses, crashed_run
 
 RANK = 4
 

@@ -4,13 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import PROMPT
-from notebook_regression import compare_samples
 
 from gemmalab.data import documents
 from gemmalab.data.tokenizer import load_tokenizer
 from gemmalab.inspect import reports
 from gemmalab.model import presets, sampling
+from tests.helpers import PROMPT
+from tests.notebook_regression import compare_samples
 
 
 @pytest.fixture(scope="module")

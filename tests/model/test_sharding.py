@@ -5,14 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_optimization import _batch, short_tiny
 
 from gemmalab.config import PRESET_NAMES, resolve_mesh_shape
 from gemmalab.errors import ConfigError
-from gemmalab.model import lora, mesh, presets, sharding
+from gemmalab.model import mesh, presets, sharding
 from gemmalab.train import optimization
-
-VOCAB = 64
+from tests.helpers.models import VOCAB, _batch, _train, short_tiny
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
@@ -29,40 +27,6 @@ def test_every_weight_of_every_preset_has_a_rule(name):
 def test_an_unknown_weight_is_an_error():
     with pytest.raises(ValueError, match="no sharding rule for parameter .*lora_a"):
         sharding.param_sharding({"layer_0": {"lora_a": jnp.zeros((4, 4))}}, mesh.make_mesh())
-
-
-def _train(shape, devices, steps=20, compute_dtype=jnp.float32, num_slices=1,
-           grad_accum_steps=1, remat="none", lora_rank=0):
-    config = short_tiny(VOCAB)
-    model = presets.build_model(config, param_dtype=jnp.float32, remat=remat)
-    params = presets.init_params(model, seed=0, sample_length=16)
-    device_mesh = mesh.make_mesh(shape, devices, num_slices=num_slices)
-    frozen = frozen_shardings = None
-    if lora_rank:  # the base frozen (placed by the rules), adapters in the state
-        frozen_shardings = sharding.param_sharding(params, device_mesh)
-        frozen = jax.device_put(params, frozen_shardings)
-        model = lora.wrap(model, rank=lora_rank, alpha=2.0 * lora_rank, modules="all",
-                          dtype=jnp.float32)
-        params = lora.init_adapters(config, rank=lora_rank, modules="all", dtype="float32",
-                                    seed=1)
-    schedule = optimization.learning_rate_schedule(3e-3, steps, warmup_ratio=0.1, min_lr_ratio=0.1)
-    optimizer = optimization.make_optimizer(schedule, weight_decay=0.01, b1=0.9, b2=0.95,
-                                            max_grad_norm=1.0)
-    state, shardings = optimization.init_state(params, optimizer, device_mesh)
-    step = optimization.make_train_step(model, optimizer, schedule, compute_dtype, device_mesh,
-                                        shardings, grad_accum_steps=grad_accum_steps,
-                                        frozen_shardings=frozen_shardings)
-    losses = []
-    rows = 16 // jax.process_count()  # each process feeds its slice of the same global batch
-    for i in range(steps):
-        local = {k: v[jax.process_index() * rows:][:rows]
-                 for k, v in _batch(rows=16, vocab=VOCAB, seed=i).items()}
-        batch = mesh.global_batch(local, device_mesh)
-        state, metrics = step(state, batch, frozen)
-        losses.append(float(metrics["loss"]))
-    if lora_rank:
-        return np.asarray(losses), state, frozen
-    return np.asarray(losses), state
 
 
 @pytest.fixture(scope="module")

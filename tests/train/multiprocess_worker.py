@@ -1,7 +1,9 @@
 """One process of a real multi-process JAX run on localhost (started by test_multiprocess.py,
 with two CPU devices a process in XLA_FLAGS).
 
-usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DATA_PATH WORK_DIR [fsdp|data]
+usage (in the repository's root, for ``tests.helpers``):
+    python -m tests.train.multiprocess_worker PROCESS_ID NUM_PROCESSES PORT DATA_PATH WORK_DIR \\
+        [fsdp|data]
 
 With ``fsdp``: 20 steps of the tiny model with fsdp spanning both processes, fed slices of fixed
 global batches (as test_sharding's one-process runs are), then a sharded Orbax save and restore.
@@ -11,10 +13,6 @@ build its token cache, its documents, the step counts, and its batch iterator re
 
 import json
 import sys
-from pathlib import Path
-
-# test_sharding's one-process helpers (tests/model/), as the tests themselves see them.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 
 
 def main() -> None:
@@ -145,11 +143,11 @@ def data_across_processes(data_path: str, work_dir: str) -> None:
 def fsdp_across_processes(work_dir: str) -> None:
     import jax
     import numpy as np
-    from test_sharding import _train
 
     from gemmalab.model import mesh
     from gemmalab.train import params
     from gemmalab.weights import orbax_params
+    from tests.helpers.models import _train
 
     losses, state = _train({"fsdp": -1}, jax.devices())
     device_mesh = mesh.make_mesh({"fsdp": -1})

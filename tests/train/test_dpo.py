@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_optimization import short_tiny, tiny_model
 
 from gemmalab.config import TrainConfig
 from gemmalab.model import lora, mesh, presets, sharding
 from gemmalab.train import optimization
+from tests.helpers.models import short_tiny, tiny_model
 
 VOCAB, SIDE = 64, 7  # each side of a pair: SIDE tokens, the last 3 of them the reply
 
@@ -267,9 +267,8 @@ def test_a_killed_dpo_run_resumes_exactly_with_its_reference_read_again(tmp_path
     """Full fine-tuning DPO on the embedded preference set, killed before step 5 (checkpoint
     at 3) and started again: the same per-step losses and rewards as the run never stopped,
     bit for bit; the reference (never checkpointed) is the starting weights again."""
-    from test_resume import crashed_run  # pytest puts this directory on sys.path
-
     from gemmalab.train.experiment import Experiment
+    from tests.helpers.runs import crashed_run
 
     def config(name):
         return TrainConfig.flat(objective="dpo", embedded_stories=60, tokenizer_vocab_size=2048,

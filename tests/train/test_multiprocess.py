@@ -8,23 +8,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_port, xla_flags
 
 from gemmalab.data import documents
 from gemmalab.train import params
 from gemmalab.weights import orbax_params
+from tests.helpers import free_port, xla_flags
 
-WORKER = Path(__file__).with_name("multiprocess_worker.py")
+# Run as a module from the repository's root: it imports tests.helpers.
+WORKER = ["-m", "tests.train.multiprocess_worker"]
+ROOT = Path(__file__).resolve().parents[2]
 # The suite's flags, two CPU devices a process.
 WORKER_XLA_FLAGS = xla_flags(xla_force_host_platform_device_count="2")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the workers' own limit is 600 s
 def test_two_processes_share_one_global_batch(tmp_path, stories_file):
     port = free_port()
     env = {**os.environ, "XLA_FLAGS": WORKER_XLA_FLAGS}
-    workers = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port),
-                                 str(stories_file), str(tmp_path)], env=env,
+    workers = [subprocess.Popen([sys.executable, *WORKER, str(i), "2", str(port),
+                                 str(stories_file), str(tmp_path)], env=env, cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for i in range(2)]
     outputs = [w.communicate(timeout=600)[0] for w in workers]
@@ -65,16 +68,18 @@ def test_two_processes_share_one_global_batch(tmp_path, stories_file):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the workers' own limit is 600 s
 def test_fsdp_spanning_two_processes_matches_one_process(tmp_path):
     """fsdp=4 over 2 processes x 2 devices trains like fsdp=4 on one process's 4 devices, and
     its sharded Orbax save restores shard for shard."""
     import jax
-    from test_sharding import _train
+
+    from tests.helpers.models import _train
 
     port = free_port()
     env = {**os.environ, "XLA_FLAGS": WORKER_XLA_FLAGS}
-    workers = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port), "-",
-                                 str(tmp_path), "fsdp"], env=env, stdout=subprocess.PIPE,
+    workers = [subprocess.Popen([sys.executable, *WORKER, str(i), "2", str(port), "-",
+                                 str(tmp_path), "fsdp"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
                for i in range(2)]
     outputs = [w.communicate(timeout=600)[0] for w in workers]
@@ -94,6 +99,7 @@ def test_fsdp_spanning_two_processes_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the workers' own limit is 600 s
 def test_two_processes_read_their_own_parquet_row_groups(tmp_path, stories_file):
     """Parquet dealt to two real processes: each builds its cache from the eval rows' row
     groups and its own contiguous share, they agree on the step counts, and each one's batch
@@ -107,9 +113,9 @@ def test_two_processes_read_their_own_parquet_row_groups(tmp_path, stories_file)
                        row_group_size=10)
     port = free_port()
     env = {**os.environ, "XLA_FLAGS": WORKER_XLA_FLAGS}
-    workers = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port),
+    workers = [subprocess.Popen([sys.executable, *WORKER, str(i), "2", str(port),
                                  str(tmp_path / "train-*.parquet"), str(tmp_path), "data"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
                for i in range(2)]
     outputs = [w.communicate(timeout=600)[0] for w in workers]

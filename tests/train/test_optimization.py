@@ -1,4 +1,3 @@
-import functools
 import math
 
 import jax
@@ -10,6 +9,7 @@ from gemmalab import plan
 from gemmalab.data import packing
 from gemmalab.model import cross_entropy, mesh, presets, sharding
 from gemmalab.train import optimization
+from tests.helpers.models import _batch, tiny_model
 
 
 def test_masked_cross_entropy_matches_a_hand_computed_reference():
@@ -100,47 +100,6 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert float(schedule(10)) == pytest.approx(1e-3)
     assert float(schedule(100)) == pytest.approx(1e-4)
     assert float(schedule(5)) == pytest.approx(5e-4)
-
-
-def short_tiny(vocab: int, num_layers: int = 2):
-    """The tiny preset cut to its last ``num_layers`` layers; two: a sliding-window one and the
-    global one, every kind of weight and both kinds of attention, and a third of the six
-    layers' unrolled program for XLA to compile (what these tests spend their time on); what
-    ``TrainConfig.num_layers`` builds."""
-    return presets.model_config("gemma3-tiny", vocab, num_layers)
-
-
-def tiny_model(vocab: int, seed: int = 0):
-    """``short_tiny`` at ``vocab`` and float32 random params drawn from ``seed``: one model
-    object a vocabulary (so functions jitted over it compile once) and params built once a
-    process (also train/test_dpo.py's). A train step donates its state: tests hand steps copies
-    (``jax.tree.map(np.asarray, params)``)."""
-    return _tiny_preset(vocab)[0], _tiny_params(vocab, seed)
-
-
-@functools.cache
-def _tiny_preset(vocab: int):
-    model = presets.build_model(short_tiny(vocab), param_dtype=jnp.float32)
-    # Jitted: flax's init run op by op compiles each op on its own (~10 s here).
-    init = jax.jit(lambda key: model.init(key, jnp.zeros((1, 8), jnp.int32))["params"])
-    return model, init
-
-
-@functools.cache
-def _tiny_params(vocab: int, seed: int):
-    return _tiny_preset(vocab)[1](jax.random.key(seed))
-
-
-def _batch(rows=8, maxlen=16, vocab=64, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, vocab, size=(rows, maxlen)).astype(np.int32)
-    segments = np.ones((rows, maxlen), np.int32)
-    segments[:, maxlen // 2:] = 2
-    segments[::2, -3:] = 0  # padding on half the rows
-    positions = np.where(segments == 2, np.arange(maxlen) - maxlen // 2, np.arange(maxlen))
-    return {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1) * (segments > 0),
-            "segment_ids": segments, "positions": positions.astype(np.int32),
-            "loss_mask": (segments > 0).astype(np.int32)}
 
 
 @pytest.mark.slow

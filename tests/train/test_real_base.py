@@ -15,7 +15,7 @@ from gemmalab.config import TrainConfig
 from gemmalab.train import optimization
 from gemmalab.train.experiment import Experiment
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # the 6 GB base loaded first
 
 # Written for this test (not from any corpus the model could have memorised): everyday English.
 PARAGRAPH = (

@@ -25,6 +25,7 @@ from gemmalab.errors import ConfigError, TrainingDiverged
 from gemmalab.k8s import run_notebook
 from gemmalab.train import checkpoints
 from gemmalab.train.experiment import Experiment
+from tests.helpers.runs import Crash, _crash_at, _losses, _metric_rows, crashed_run
 
 
 def _config(tmp_path, cache_dir, stories_file, name, **overrides):
@@ -33,46 +34,6 @@ def _config(tmp_path, cache_dir, stories_file, name, **overrides):
                   eval_every=6, checkpoint_every=4, tokenizer_vocab_size=600,
                   tokenize_workers=1, seed=5, compute_dtype="float32", num_layers=2)
     return TrainConfig.flat(**{**values, **overrides})
-
-
-def _metric_rows(output_dir):
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _losses(output_dir):
-    rows = _metric_rows(output_dir)
-    return [r["step"] for r in rows], np.asarray([r["loss"] for r in rows])
-
-
-class Crash(RuntimeError):
-    pass
-
-
-def _crash_at(experiment, step):
-    """Make the run die (as a kill would) when it is about to run ``step``."""
-    real = experiment.compile()
-    calls = {"n": experiment.weights.start_step}
-
-    def step_or_crash(state, batch, frozen=None):
-        calls["n"] += 1
-        if calls["n"] == step:
-            raise Crash(f"killed before step {step}")
-        return real(state, batch, frozen)
-
-    experiment.train_step = step_or_crash
-
-
-def crashed_run(config, step, before_training=None):
-    """A run of ``config`` killed before ``step``, its pending checkpoint saves finished
-    (``before_training(experiment)`` first, if given)."""
-    first = Experiment.prepare(config)
-    if before_training is not None:
-        before_training(first)
-    _crash_at(first, step)
-    with pytest.raises(Crash):
-        first.train(progress=False)
-    first.checkpoints.wait()
-    return first
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +51,9 @@ def test_a_crashed_run_resumes_exactly(uninterrupted, cache_dir, stories_file):
     Its TensorBoard event files hold steps 1-12 once each with metrics.jsonl's values, the
     evaluations at 0, 6 and 12, and the samples at the step the weights were at (0, 4 on
     resuming, 12): the rows the killed try wrote past its checkpoint are gone."""
-    from conftest import PROMPT
-    from test_tensorboard import RTOL, assert_curves_match_the_rows, raw_summaries
-
     from gemmalab.train import tensorboard_log
+    from tests.helpers import PROMPT
+    from tests.helpers.tensorboard import RTOL, assert_curves_match_the_rows, raw_summaries
 
     tmp_path, whole = uninterrupted
     config = _config(tmp_path, cache_dir, stories_file, "crashed")

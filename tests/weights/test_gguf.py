@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
-from test_optimization import short_tiny
 
 from gemmalab import plan
 from gemmalab.errors import ConfigError
 from gemmalab.weights import gguf, hf_layout, safetensors_io, sources
+from tests.helpers.models import short_tiny
 
 Q = GGMLQuantizationType
 VOCAB = 64
@@ -489,7 +489,12 @@ def test_convert_in_row_blocks_is_gguf_quants_bit_for_bit(tmp_path, workers):
         assert timings["workers"] == workers and timings["values"] == sum(
             math.prod(t.shape) for t in model.tensors)
         assert timings["bytes"] == converted.stat().st_size - 8 - len(json_header(converted))
-        assert all(timings[phase] >= 0 for phase in gguf.PHASES)
+        assert set(timings) == {"hash_s", "layout_s", "convert_s", *gguf.PHASES, "values",
+                                "bytes", "workers"}
+        assert all(timings[phase] > 0 for phase in gguf.PHASES)
+        # Each block's steps are timed inside the workers' wall time: summed over the blocks,
+        # at most that time per worker.
+        assert sum(timings[phase] for phase in gguf.PHASES) <= timings["convert_s"] * workers
 
 
 def json_header(path) -> bytes:

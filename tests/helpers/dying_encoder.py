@@ -1,5 +1,6 @@
 """An encoder whose worker process dies mid-task, as one killed for memory would
-(``test_pipeline.py``: spawned tokenizer workers import it by name)."""
+(tests/data/test_pipeline.py: spawned tokenizer workers import it by name,
+``tests.helpers.dying_encoder``)."""
 
 import os
 

@@ -1,4 +1,5 @@
-"""Shared by tests/k8s/: the committed manifests, offline schemas, pod-spec accessors."""
+"""Shared by tests/k8s/ (``from tests.helpers.k8s import ...``): the committed manifests,
+offline schemas, pod-spec accessors."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-FIXTURES = Path(__file__).with_name("fixtures")
+FIXTURES = ROOT / "tests" / "k8s" / "fixtures"
 KUBERNETES_VERSION = "1.33"  # validated offline by kubernetes-validate (it ships 1.28-1.37)
 TRAINING_FILES = ("single-host-v6e-1x1.yaml", "multihost-v6e-2x4.yaml",
                   "multislice-2x-v6e-2x4.yaml", "gpu-h200.yaml")
