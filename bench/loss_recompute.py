@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import sys
 import tempfile
@@ -69,7 +68,7 @@ def side_by_side(config: TrainConfig, before: contextlib.AbstractContextManager,
     same batch (losses and gradient norms to compare), then ``rounds`` alternating timed steps.
     Also bench/embedding_gradient.py's."""
     with tempfile.TemporaryDirectory() as output_dir:
-        config = dataclasses.replace(config, output_dir=output_dir)
+        config = config.replace(output_dir=output_dir)
         experiment = Experiment.prepare(config)
         weights = experiment.weights
         steps = {now: experiment.compile()}

@@ -92,7 +92,7 @@ def test_a_lora_plan_holds_the_frozen_base_once_and_trains_only_adapters(shape):
     assert sharding.shard_bytes(state.opt_state) - estimate.breakdown["optimizer"] in range(0, 64)
     # Gradients (compute dtype) of the adapters alone.
     assert estimate.breakdown["gradients"] == 2 * presets.parameter_count(adapters)
-    full = plan.estimate(dataclasses.replace(config, lora_rank=0), plan.attached_accelerator())
+    full = plan.estimate(config.replace(lora_rank=0), plan.attached_accelerator())
     # No gradient for frozen weights: about 4 FLOPs per weight and token instead of 6.
     assert estimate.flops_per_step / full.flops_per_step == pytest.approx(4 / 6, abs=0.06)
 
@@ -101,7 +101,7 @@ def test_memory_moves_the_way_each_knob_says():
     accelerator = plan.parse_accelerator("v6e:2x4")
     base = _tiny(model="gemma3-1b", tokenizer="gemma3", batch_size=32, maxlen=512,
                  compute_dtype="bfloat16")
-    parts = {name: plan.estimate(dataclasses.replace(base, **change), accelerator).breakdown
+    parts = {name: plan.estimate(base.replace(**change), accelerator).breakdown
              for name, change in {
                  "data": {}, "fsdp": {"mesh": {"fsdp": -1}}, "dots": {"remat": "dots"},
                  "full": {"remat": "full"}, "accum": {"grad_accum_steps": 4}}.items()}
@@ -163,7 +163,7 @@ def test_the_roofline_of_the_tutorials_run_is_a_floor_under_its_measured_time():
 
 
 def test_a_tiny_batch_is_memory_bound_and_a_long_wide_one_compute_bound():
-    tiny = plan.estimate(dataclasses.replace(TUTORIAL, batch_size=1, maxlen=16), "v6e")
+    tiny = plan.estimate(TUTORIAL.replace(batch_size=1, maxlen=16), "v6e")
     assert tiny.roofline.bound == "memory"
     assert max(tiny.traffic, key=tiny.traffic.get) == "optimizer"  # AdamW's pass over 268M
     wide = plan.estimate(TrainConfig.flat(model="gemma3-4b", tokenizer="gemma3", batch_size=8,
@@ -174,19 +174,19 @@ def test_a_tiny_batch_is_memory_bound_and_a_long_wide_one_compute_bound():
 
 def test_the_run_length_and_cost_follow_the_config_and_the_chips():
     accelerator = plan.parse_accelerator("v6e:2x4")
-    two_epochs = plan.estimate(dataclasses.replace(TUTORIAL, num_epochs=2), accelerator,
+    two_epochs = plan.estimate(TUTORIAL.replace(num_epochs=2), accelerator,
                                price_per_chip_hour=1.5).roofline
     assert two_epochs.run_steps == 1500 and two_epochs.chips == 8
     assert two_epochs.run_seconds == 1500 * two_epochs.step_seconds
     assert two_epochs.cost == two_epochs.run_seconds / 3600 * 8 * 1.5
     assert two_epochs.tokens_per_s == 128 * 256 / two_epochs.step_seconds
     # max_steps replaces the epochs; the last partial batch is a step.
-    assert plan.run_steps(dataclasses.replace(TUTORIAL, max_steps=40, num_epochs=3)) == 40
-    assert plan.run_steps(dataclasses.replace(TUTORIAL, datacount=1000)) == 8
+    assert plan.run_steps(TUTORIAL.replace(max_steps=40, num_epochs=3)) == 40
+    assert plan.run_steps(TUTORIAL.replace(datacount=1000)) == 8
     # Micro-batches split the same rows: the same tokens a step.
-    accumulated = plan.estimate(dataclasses.replace(TUTORIAL, grad_accum_steps=4), "v6e")
+    accumulated = plan.estimate(TUTORIAL.replace(grad_accum_steps=4), "v6e")
     assert accumulated.roofline.tokens_per_step == 128 * 256
-    unknown = plan.estimate(dataclasses.replace(TUTORIAL, datacount=None), "v6e",
+    unknown = plan.estimate(TUTORIAL.replace(datacount=None), "v6e",
                             price_per_chip_hour=2.7)
     document = json.loads(json.dumps(unknown.to_dict()))["roofline"]
     assert document["run_steps"] is None and document["run_seconds"] is None
@@ -237,7 +237,7 @@ def test_bad_prices_are_one_line_errors(price, fragment):
 def _sft_and_dpo(accelerator, **overrides):
     config = TrainConfig.flat(**{**dict(model="gemma3-1b", tokenizer="gemma3", batch_size=32,
                                    maxlen=512, compute_dtype="bfloat16"), **overrides})
-    dpo = dataclasses.replace(config, objective="dpo", data_path=EMBEDDED_PREFERENCES)
+    dpo = config.replace(objective="dpo", data_path=EMBEDDED_PREFERENCES)
     return plan.estimate(config, accelerator), plan.estimate(dpo, accelerator)
 
 
@@ -311,10 +311,9 @@ def test_dpo_adds_a_forward_pass_of_flops_and_of_hbm_traffic(lora_rank):
         assert dpo.flops_per_step / sft.flops_per_step == pytest.approx(8 / 6, rel=1e-12)
     # MFU is measured against the same figure.
     accounting = metrics.FlopAccounting.of_run(
-        dpo_config := dataclasses.replace(TrainConfig.flat(model="gemma3-1b", tokenizer="gemma3",
-                                                      batch_size=32, maxlen=512,
-                                                      lora_rank=lora_rank),
-                                          objective="dpo", data_path=EMBEDDED_PREFERENCES),
+        dpo_config := TrainConfig.flat(model="gemma3-1b", tokenizer="gemma3", batch_size=32,
+                                       maxlen=512, lora_rank=lora_rank, objective="dpo",
+                                       data_path=EMBEDDED_PREFERENCES),
         model_config, num_params=dpo.num_params, adapters=adapters, devices=accelerator)
     assert dpo_config.trainer.objective == "dpo"
     assert accounting.model_flops_per_step == dpo.flops_per_step
@@ -367,7 +366,7 @@ def test_nothing_fits_names_how_many_chips_would():
     assert chips == plan.chips_needed(config, accelerator) and chips > 8
 
     def frugal_fits(n):
-        frugal = dataclasses.replace(config, mesh={"fsdp": -1}, remat="full", batch_size=n)
+        frugal = config.replace(mesh={"fsdp": -1}, remat="full", batch_size=n)
         return plan.estimate(frugal, dataclasses.replace(accelerator, chips=n)).fits
 
     assert frugal_fits(chips) and not frugal_fits(chips // 2)
@@ -391,7 +390,7 @@ def test_training_refuses_before_tokenizing_or_loading_weights(four_gib_devices,
         Experiment.prepare(config)
     # The override goes on to the data (and so meets the forbidden corpus).
     with pytest.raises(AssertionError, match="expensive work started"):
-        Experiment.prepare(dataclasses.replace(config, check_memory=False))
+        Experiment.prepare(config.replace(check_memory=False))
 
 
 # --- the exact plan: libtpu compiles the step for a TPU topology on this CPU machine -------
@@ -491,7 +490,7 @@ def test_the_ahead_of_time_dpo_step_takes_the_planned_reference(monkeypatch):
         assert compiled["breakdown"]["arguments"] - held - estimate["batch"] in range(0, 64)
         assert ("reference" in estimate) == (not config.lora.rank)
         if not config.lora.rank:
-            sft = aot.compile_step(dataclasses.replace(config, objective="sft", data_path=""),
+            sft = aot.compile_step(config.replace(objective="sft", data_path=""),
                                    accelerator)
             assert compiled["flops"] / sft["flops"] == pytest.approx(8 / 6, rel=0.1)
 

@@ -82,8 +82,8 @@ def test_a_chains_random_init_base_is_the_first_runs_own(run, tmp_path):
     parent, _ = run
     child_dir = tmp_path / "dpo"
     shutil.copytree(f"{parent.output_dir}/params", child_dir / "params")
-    child = dataclasses.replace(parent, output_dir=str(child_dir), config=dataclasses.replace(
-        parent.config, checkpoint=f"{parent.output_dir}/params", seed=9))
+    child = dataclasses.replace(parent, output_dir=str(child_dir), config=parent.config.replace(
+        checkpoint=f"{parent.output_dir}/params", seed=9))
     base, first, second = compare.lineage(child)
     assert base.name == "base (random init)"
     assert first.name.startswith("SFT (") and second.name == f"SFT ({child_dir})"

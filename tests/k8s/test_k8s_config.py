@@ -155,9 +155,10 @@ def test_valid_configs_pass():
 def test_the_notebook_parameters_are_read_from_the_notebook():
     params = notebook_parameters()
     assert params is not None
-    assert {"model", "batch_size", "output_dir", "cache_dir", "data_path", "prompt"} <= set(params)
-    assert params["batch_size"] is None  # the model's default batch (TrainConfig)
-    assert isinstance(params["max_new_tokens"], int)
+    # A recipe ("": TrainConfig's defaults) and the notebook's own; every TrainConfig field is
+    # taken too (check_notebook_params), listed in the cell or not.
+    assert set(params) == {"recipe", "prompt", "max_new_tokens"}
+    assert params["recipe"] == "" and isinstance(params["max_new_tokens"], int)
     assert notebook_parameters("/nonexistent/train.ipynb") is None
 
 

@@ -115,7 +115,7 @@ def test_an_unknown_implementation_is_a_one_line_config_error():
     with pytest.raises(ConfigError, match=r"^attention: unknown implementation 'flash'\. Fix: "
                                           r"use one of \('auto', 'gemma'"):
         TrainConfig.flat(attention="flash")
-    assert TrainConfig().attention == "auto"
+    assert TrainConfig().model.attention == "auto"
 
 
 @pytest.mark.parametrize(("platform", "chosen"), [("tpu", "splash"), ("gpu", "dot_product"),
@@ -328,10 +328,10 @@ def test_splash_compiles_for_tpu_and_needs_less_temporary_memory():
     config = TrainConfig.flat(model="gemma3-tiny", tokenizer_vocab_size=600, batch_size=2,
                          maxlen=1024, compute_dtype="bfloat16")
     # Four chips, rows over data and heads over tensor (shard_map), blocks rematerialised.
-    split = dataclasses.replace(config, attention="splash", batch_size=8, maxlen=256,
+    split = config.replace(attention="splash", batch_size=8, maxlen=256,
                                 mesh={"data": 2, "tensor": 2}, remat="full")
     gemma, splash, shard_mapped = plan.compile_plans(
-        [(dataclasses.replace(config, attention="gemma"), "v6e:1x1"),
-         (dataclasses.replace(config, attention="splash"), "v6e:1x1"), (split, "v6e:2x2")])
+        [(config.replace(attention="gemma"), "v6e:1x1"),
+         (config.replace(attention="splash"), "v6e:1x1"), (split, "v6e:2x2")])
     assert splash.breakdown["temporaries"] < 0.5 * gemma.breakdown["temporaries"]
     assert shard_mapped.method == "compiled"

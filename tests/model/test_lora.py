@@ -2,7 +2,6 @@
 exact resume, sampling from the merged tree equal to the LoRA model)."""
 
 import collections
-import dataclasses
 import shutil
 
 import jax
@@ -181,7 +180,7 @@ def test_a_crashed_lora_run_resumes_exactly(lora_run, cache_dir, stories_file):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # A resume with another rank is refused up front, naming the field.
     with pytest.raises(ConfigError, match="lora_rank"):
-        Experiment.prepare(dataclasses.replace(config, lora_rank=8))
+        Experiment.prepare(config.replace(lora_rank=8))
 
 
 @pytest.mark.slow
@@ -201,10 +200,10 @@ def test_a_resume_whose_base_file_changed_is_refused(lora_run, cache_dir, storie
     shutil.rmtree(base)
     orbax_params.save_params(_noisy(original, seed=3), base)
     with pytest.raises(ConfigError, match="checkpoint.*other weights than when the run"):
-        Experiment.prepare(dataclasses.replace(config, max_steps=2))
+        Experiment.prepare(config.replace(max_steps=2))
     shutil.rmtree(base)
     orbax_params.save_params(original, base)
-    assert Experiment.prepare(dataclasses.replace(config, max_steps=2)).weights.start_step == 1
+    assert Experiment.prepare(config.replace(max_steps=2)).weights.start_step == 1
 
 
 @pytest.mark.slow
@@ -279,7 +278,7 @@ def test_lora_train_tokens_resolve_to_ids_and_unknown_pieces_are_refused(cache_d
     chat_run = TrainConfig.flat(checkpoint="embedded:gemma3-270m", lora_rank=4)
     assert trained_token_ids(chat_run, info, chat=True) == (105, 106)
     assert trained_token_ids(chat_run, info, chat=False) == ()
-    assert trained_token_ids(dataclasses.replace(chat_run, lora_rank=0), info, chat=True) == ()
+    assert trained_token_ids(chat_run.replace(lora_rank=0), info, chat=True) == ()
     with pytest.raises(ConfigError, match=r"^lora_train_tokens: \['<end of turn>'\] are not"):
-        trained_token_ids(dataclasses.replace(config, lora_train_tokens=["<end of turn>"]), info,
+        trained_token_ids(config.replace(lora_train_tokens=["<end of turn>"]), info,
                           chat=False)

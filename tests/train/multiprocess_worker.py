@@ -66,11 +66,10 @@ def main() -> None:
 
 def crash_and_resume(config, output_dir: str) -> tuple[list[float], int]:
     """The same run killed before step 5 on every process, then started again."""
-    import dataclasses
 
     from gemmalab.train.experiment import Experiment
 
-    config = dataclasses.replace(config, output_dir=output_dir)
+    config = config.replace(output_dir=output_dir)
     first = Experiment.prepare(config)
     real, calls = first.compile(), [0]
 

@@ -229,6 +229,6 @@ def test_max_steps_is_the_number_of_steps_even_past_an_epoch(tmp_path, cache_dir
     assert experiment.steps_per_epoch < 40 == experiment.total_steps
     for _ in range(experiment.steps_per_epoch + 2):  # the stream goes on into the next epoch
         assert experiment.next_batch()["tokens"].shape == (8, 64)
-    without = Experiment.prepare(dataclasses.replace(config, max_steps=None, num_epochs=2,
+    without = Experiment.prepare(config.replace(max_steps=None, num_epochs=2,
                                                      output_dir=str(tmp_path / "epochs")))
     assert without.total_steps == 2 * without.steps_per_epoch

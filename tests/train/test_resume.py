@@ -2,7 +2,6 @@
 trains exactly as if it had never stopped."""
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -118,7 +117,7 @@ def test_the_data_position_is_restored(uninterrupted, cache_dir, stories_file):
     with pytest.raises(Crash):
         run.train(progress=False)
     run.checkpoints.wait()
-    fresh = Experiment.prepare(dataclasses.replace(config, output_dir=str(tmp_path / "p2")))
+    fresh = Experiment.prepare(config.replace(output_dir=str(tmp_path / "p2")))
     expected = [next(fresh.data.train_iterator) for _ in range(5)][3]  # the 4th batch
     resumed = Experiment.prepare(config)
     assert resumed.weights.start_step == 3
@@ -157,7 +156,7 @@ def _restore_target(run, tmp_path):
     abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                                               sharding=leaf.sharding),
                             run.weights.state)
-    fresh = Experiment.prepare(dataclasses.replace(run.config, output_dir=str(tmp_path / "fresh")))
+    fresh = Experiment.prepare(run.config.replace(output_dir=str(tmp_path / "fresh")))
     return abstract, fresh.data.train_iterator
 
 

@@ -113,7 +113,7 @@ def test_the_config_is_the_hyperparameters(tmp_path):
                   for value in _values(path) if value.tag == metadata.SESSION_START_INFO_TAG]
     info = metadata.parse_session_start_info_plugin_data(content)
     assert info.hparams["learning_rate"].number_value == pytest.approx(3e-3)
-    assert info.hparams["batch_size"].number_value == CONFIG.batch_size
+    assert info.hparams["batch_size"].number_value == CONFIG.trainer.batch_size
     assert info.hparams["packing"].bool_value is True
     assert info.hparams["output_dir"].string_value == "runs/tb"
     assert info.hparams["max_steps"].string_value == "None"
