@@ -12,7 +12,7 @@ TPU: splash). Step time is the median of ``--steps`` after the compile; memory i
 compiled temporaries (``memory_analysis``), the same figure on any backend.
 
 Part 2, without a chip: the train step of ``--aot-model`` compiled by libtpu for each of
-``--topologies`` (``gemmalab.plan.compile_plan``), gemma against splash, its temporaries.
+``--topologies`` (``gemmalab.train.aot.compile_plan``), gemma against splash, its temporaries.
 Skipped where libtpu is not installed (``make libtpu``).
 
 Prints markdown tables (docs/benchmarks/attention.md).
@@ -34,7 +34,7 @@ from gemmalab import plan
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.model import mesh, presets
-from gemmalab.train import optimization
+from gemmalab.train import aot, optimization
 
 MIB = 1 << 20
 # The kernel the fused column runs on each platform (gemmalab.model.attention.resolve's "auto").
@@ -137,7 +137,7 @@ def aot_table(args: argparse.Namespace) -> None:
                 config = TrainConfig.flat(model=args.aot_model, tokenizer="gemma3", maxlen=maxlen,
                                      batch_size=rows, compute_dtype="bfloat16", attention=name)
                 try:
-                    compiled = plan.compile_plan(config, topology)
+                    compiled = aot.compile_plan(config, topology)
                 except (ConfigError, RuntimeError) as error:
                     cells[name], seconds[name] = failure(str(error)), "-"
                     continue

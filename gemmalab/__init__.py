@@ -2,8 +2,9 @@
 
 Stages, each importing only those below it and the ground:
 
-- ground: ``config`` (the validated run config), ``errors``, ``storage``, ``gemma_lib``,
-  ``headless`` (papermill for ``make demo``);
+- ground: ``config`` (the validated run config), ``accelerators`` (the chip catalogue),
+  ``data_parallel`` (the batch's split), ``errors``, ``storage``, ``gemma_lib``, ``headless``
+  (papermill for ``make demo``);
 - ``model``: presets, attention, LoRA, loss, mesh and sharding;
 - ``weights``: every weight source and sink (Orbax, HF, PEFT, GGUF, the embedded base);
 - ``data``: corpus, records, tokenizer, token cache, packing, batches;

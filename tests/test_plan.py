@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gemmalab import plan
+from gemmalab import accelerators, plan
 from gemmalab.config import EMBEDDED_PREFERENCES, TrainConfig
 from gemmalab.data import documents, packing, token_cache
 from gemmalab.errors import ConfigError
 from gemmalab.model import lora, mesh, presets, sharding
+from gemmalab.plan import exact
 from gemmalab.train import aot, metrics, optimization
 from gemmalab.train.experiment import Experiment
 
@@ -228,7 +229,7 @@ def test_bad_prices_are_one_line_errors(price, fragment):
     assert fragment in str(error.value) and "Fix: " in str(error.value)
     assert "\n" not in str(error.value)
     with pytest.raises(ConfigError, match="^price_per_chip_hour: "):  # before any compiling
-        plan.compile_plan(_tiny(), "v6e", price_per_chip_hour=price)
+        aot.compile_plan(_tiny(), "v6e", price_per_chip_hour=price)
 
 
 # --- DPO: the reference model's forward pass, and full fine-tuning's reference copy ---------
@@ -337,7 +338,7 @@ def test_dpo_adds_a_forward_pass_of_flops_and_of_hbm_traffic(lora_rank):
 @pytest.fixture
 def four_gib_devices(monkeypatch):
     """8 CPU devices sharing a 32 GiB host: 4 GiB each, whatever this machine has."""
-    monkeypatch.setattr(plan, "host_memory_bytes", lambda: 8 * 4 * GIB)
+    monkeypatch.setattr(accelerators, "host_memory_bytes", lambda: 8 * 4 * GIB)
 
 
 def test_the_fix_offered_is_the_first_layout_that_fits(four_gib_devices):
@@ -422,8 +423,8 @@ COMPILED_TARGETS = {
 def compiled():
     # The replicated target twice: identical targets compile once.
     names = [*COMPILED_TARGETS, "replicated"]
-    plans = plan.compile_plans([COMPILED_TARGETS[name] for name in names],
-                               price_per_chip_hour=1.0)
+    plans = aot.compile_plans([COMPILED_TARGETS[name] for name in names],
+                              price_per_chip_hour=1.0)
     assert plans[-1] == plans[0]
     return dict(zip(names, plans, strict=True))
 
@@ -464,10 +465,10 @@ def test_the_compiled_plan_carries_xla_bytes_accessed_into_its_roofline(compiled
 
 def test_the_exact_plan_needs_a_tpu_target_and_libtpu(monkeypatch):
     with pytest.raises(ConfigError, match="^exact: the exact plan compiles for TPUs, not h200"):
-        plan.compile_plan(_tiny(), "h200")
-    monkeypatch.setattr(plan, "find_libtpu", lambda: None)
+        aot.compile_plan(_tiny(), "h200")
+    monkeypatch.setattr(exact, "find_libtpu", lambda: None)
     with pytest.raises(ConfigError, match=r"^exact: libtpu .* Fix: run `make libtpu`"):
-        plan.compile_plan(_tiny(), "v6e")
+        aot.compile_plan(_tiny(), "v6e")
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab import gemma_lib, plan, storage
+from gemmalab import gemma_lib, storage
 from gemmalab.config import TrainConfig
 from gemmalab.data import chat, documents, packing
 from gemmalab.data.chat import Conversation
@@ -24,6 +24,7 @@ from gemmalab.inspect import reports
 from gemmalab.inspect.sweep import run_dirs
 from gemmalab.inspect.task_metric import score_summary
 from gemmalab.model import mesh, presets, sampling, sharding
+from gemmalab.plan.shapes import abstract_params
 from gemmalab.train import optimization
 from gemmalab.weights import orbax_params, sources
 
@@ -116,7 +117,7 @@ def base_params(run: Run, checkpoint: str = "run", *, origin: TrainConfig | None
     if not resolved.path:
         params = presets.init_params(run.model, seed=origin.seed, sample_length=origin.maxlen)
         return Contender("base (random init)", params)
-    target = plan.abstract_params(run.model.config, run.config.model.param_dtype)
+    target = abstract_params(run.model.config, run.config.model.param_dtype)
     params = sources.load(resolved, target, text_only=presets.PRESETS[run.config.model.preset].multimodal)
     return Contender(f"base ({resolved.name})", params)
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gemmalab.model.sampling import Continuation
-    from gemmalab.plan import MemoryPlan
+    from gemmalab.plan.memory import MemoryPlan
 
 # Output-metadata key under which continuations travel as data (see ``SamplesView``).
 SAMPLES_METADATA_KEY = "gemmalab/samples"

@@ -1,13 +1,16 @@
 """TPU and GPU shapes on GKE: what a generation and topology mean in chips, hosts and labels.
 
-Everything here is a pure function of a few strings; nothing imports ``kubernetes``.
+The chips' own facts (their slices, the chips a host holds) are the catalogue's
+(``gemmalab.accelerators``); this module adds GKE's: node labels, machine types and what a pod
+may ask of a host. Everything here is a pure function of a few strings; nothing imports
+``kubernetes``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
+from gemmalab.accelerators import CHIPS, SLICE_HOST_CHIPS, Chip, topology_chips
 from gemmalab.errors import ConfigError, require
 
 TPU_RESOURCE = "google.com/tpu"
@@ -31,45 +34,48 @@ class HostResources:
 
 @dataclasses.dataclass(frozen=True)
 class TpuGeneration:
-    name: str
+    """GKE's facts of one TPU generation; the chip's (``chip``: slices, chips a host holds) are
+    the catalogue's."""
+
+    name: str  # a key of gemmalab.accelerators.CHIPS
     accelerator: str  # value of the cloud.google.com/gke-tpu-accelerator node label
     machine_family: str  # machine type without the "-<chips>t" suffix
-    topologies: tuple[str, ...]
-    resources: dict[int, HostResources]  # keyed by chips per host
+    resources: dict[int, HostResources]  # keyed by chips per host (the chip's host_chips)
+
+    @property
+    def chip(self) -> Chip:
+        return CHIPS[self.name]
+
+    @property
+    def topologies(self) -> tuple[str, ...]:
+        return self.chip.slices
 
 
-# Topologies GKE offers per generation (docs: "Plan TPUs in GKE"). v5e and v6e are 2-D
-# (single host up to 2x4 with the 8-chip machine type, 4 chips per host beyond), v5p is 3-D
-# with 4 chips per host.
-TPU_GENERATIONS: dict[str, TpuGeneration] = {
-    "v5e": TpuGeneration(
+TPU_GENERATIONS: dict[str, TpuGeneration] = {generation.name: generation for generation in (
+    TpuGeneration(
         name="v5e",
         accelerator="tpu-v5-lite-podslice",
         machine_family="ct5lp-hightpu",
-        topologies=("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
         # ct5lp-hightpu-1t: 24 vCPU / 48 GB; -4t: 112 / 192 GB; -8t: 224 / 384 GB.
         resources={1: HostResources("18", "34Gi"), 4: HostResources("84", "140Gi"),
                    8: HostResources("168", "280Gi")},
     ),
-    "v5p": TpuGeneration(
+    TpuGeneration(
         name="v5p",
         accelerator="tpu-v5p-slice",
         machine_family="ct5p-hightpu",
-        topologies=("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8",
-                    "8x8x16", "8x16x16", "16x16x16", "16x16x24"),
         # ct5p-hightpu-4t: 208 vCPU / 448 GB.
         resources={4: HostResources("156", "330Gi")},
     ),
-    "v6e": TpuGeneration(
+    TpuGeneration(
         name="v6e",
         accelerator="tpu-v6e-slice",
         machine_family="ct6e-standard",
-        topologies=("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
         # ct6e-standard-1t: 44 vCPU / 448 GB; -4t: 180 / 720 GB; -8t: 180 / 1440 GB.
         resources={1: HostResources("32", "320Gi"), 4: HostResources("135", "520Gi"),
                    8: HostResources("135", "1040Gi")},
     ),
-}
+)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +92,8 @@ GPU_TYPES: dict[str, GpuType] = {
     # a3-ultragpu-8g: 224 vCPU / 2952 GB for 8 H200s.
     "h200": GpuType("h200", "nvidia-h200-141gb", "a3-ultragpu-8g", HostResources("21", "270Gi")),
 }
-MAX_GPUS_PER_NODE = 8
+# The GPUs of one node: the a3 machine types' (the catalogue's host_chips).
+MAX_GPUS_PER_NODE = max(max(CHIPS[name].host_chips) for name in GPU_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,19 +127,16 @@ class TpuSlice:
 
 
 def _default_chips_per_host(generation: str, chips: int) -> int:
-    if generation == "v5p":
-        return 4
     # v5e/v6e: the 1- and 4-chip topologies fit one host; 2x4 and beyond use 4-chip hosts
-    # (the multi-host node pools); 2x4 on one 8-chip host needs chips_per_host=8.
-    return 1 if chips == 1 else 4
+    # (the multi-host node pools); 2x4 on one 8-chip host needs chips_per_host=8. v5p: 4.
+    return min(_allowed_chips_per_host(generation, chips))
 
 
 def _allowed_chips_per_host(generation: str, chips: int) -> list[int]:
-    if generation == "v5p":
-        return [4]
-    if chips in (1, 4):
-        return [chips]
-    return [4, 8] if chips == 8 else [4]
+    """One host holding the whole slice (a machine type of that many chips), or hosts of
+    ``SLICE_HOST_CHIPS`` for a slice larger than one of them."""
+    whole = [chips] if chips in CHIPS[generation].host_chips else []
+    return sorted(whole + ([SLICE_HOST_CHIPS] if chips > SLICE_HOST_CHIPS else []))
 
 
 def tpu_slice(generation: str, topology: str, chips_per_host: int | None = None) -> TpuSlice:
@@ -150,7 +154,7 @@ def tpu_slice(generation: str, topology: str, chips_per_host: int | None = None)
         f"{topology!r} is not a {generation} topology",
         f"use one of {', '.join(gen.topologies)}",
     )
-    chips = math.prod(int(d) for d in topology.split("x"))
+    chips = topology_chips(topology)
     if chips_per_host is None:
         chips_per_host = _default_chips_per_host(generation, chips)
     else:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gemmalab.config import FLAT_NAMES, TrainConfig
+from gemmalab.data_parallel import batch_ways, check_batch_split
 from gemmalab.errors import ConfigError, require
 from gemmalab.k8s import accelerators
 from gemmalab.k8s.accelerators import HostResources, TpuSlice
@@ -217,11 +218,12 @@ class ClusterConfig:
         resolved, defaults = check_notebook_params(self.params, self.notebook)
         object.__setattr__(self, "params", types.MappingProxyType(dict(self.params)))
         batch = resolved.trainer.batch_size  # given, the recipe's, or the model's
+        accum = resolved.trainer.grad_accum_steps
         ways = self._data_parallel_size()
-        require(batch % ways == 0, "params.batch_size",
-                f"{batch} is not divisible by the {ways} data-parallel ways of "
-                f"{self.describe()}", f"use a multiple of {ways}, e.g. "
-                f"{max(1, round(batch / ways)) * ways}")
+        try:
+            check_batch_split(batch, ways, accum, where=self.describe())
+        except ConfigError as e:  # the notebook's parameter
+            raise ConfigError(f"params.{e.parameter}", e.problem, e.fix) from None
 
     def _data_parallel_size(self) -> int:
         """How many ways the batch splits on this cluster (the mesh's data x fsdp)."""
@@ -233,7 +235,7 @@ class ClusterConfig:
         except ConfigError as e:
             raise ConfigError(f"params.{e.parameter}", f"{e.problem} (per slice of "
                               f"{self.describe()})", e.fix) from None
-        return self.num_slices * sizes["data"] * sizes["fsdp"]
+        return self.num_slices * batch_ways(sizes)
 
     def _check_lifecycle(self) -> None:
         for field in ("termination_grace_period_s", "backoff_limit", "max_restarts",

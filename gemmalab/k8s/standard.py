@@ -8,11 +8,11 @@ import dataclasses
 from typing import Any
 
 from gemmalab.k8s import kueue, manifests
-from gemmalab.recipes import RECIPE_PARAMETER
 from gemmalab.k8s.accelerators import GPU_TYPES
 from gemmalab.k8s.config import ClusterConfig
 from gemmalab.k8s.jupyterhub import CHART, CHART_VERSION, hub_values
 from gemmalab.k8s.render import render
+from gemmalab.recipes import RECIPE_PARAMETER
 
 # The tutorial's setup (gemmalab.recipes: full fine-tuning of Gemma3-270M from its pretrained
 # checkpoint, TinyStories from the data bucket, batch 128, 96,000 stories), by name.

@@ -8,7 +8,6 @@ within each example. ``gemmalab.model.sharding`` says which weight dimension goe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,11 +15,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gemmalab.config import AXES, DATA_AXIS, FSDP_AXIS, resolve_mesh_shape
+from gemmalab.config import AXES, DATA_AXIS, resolve_mesh_shape
+from gemmalab.data_parallel import BATCH_AXES, batch_ways, check_batch_split
 from gemmalab.errors import ConfigError
 
-# The batch is split over every axis that holds different examples.
-BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
 
 def make_mesh(shape: Mapping[str, int] | None = None, devices: list[Any] | None = None, *,
               num_slices: int = 1) -> Mesh:
@@ -62,20 +60,14 @@ def mesh_shape(mesh: Mesh) -> dict[str, int]:
 
 def data_parallel_size(mesh: Mesh) -> int:
     """How many ways the batch is split."""
-    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+    return batch_ways(mesh.shape)
 
 
 def check_batch_size(batch_size: int, mesh: Mesh, grad_accum_steps: int = 1) -> None:
     """Every device gets the same number of rows in each of the ``grad_accum_steps``."""
-    size = data_parallel_size(mesh) * grad_accum_steps
-    if batch_size % size:
-        lower, upper = batch_size // size * size, -(-batch_size // size) * size
-        suggestion = f"{upper}" if lower == 0 else f"{lower} or {upper}"
-        accum = f" x grad_accum_steps {grad_accum_steps}" if grad_accum_steps > 1 else ""
-        raise ConfigError("batch_size", f"{batch_size} is not divisible by the data-parallel size "
-                          f"{data_parallel_size(mesh)}{accum} (mesh {mesh_shape(mesh)}; "
-                          f"{jax.process_count()} process(es) x {jax.local_device_count()} "
-                          "device(s))", f"use e.g. {suggestion}")
+    check_batch_split(batch_size, data_parallel_size(mesh), grad_accum_steps,
+                      where=f"mesh {mesh_shape(mesh)} ({jax.process_count()} process(es) x "
+                      f"{jax.local_device_count()} device(s))")
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -1,28 +1,83 @@
-"""The train step compiled ahead of time for a TPU topology, with no chip attached: the exact
-memory plan and its roofline (``gemmalab.plan.compile_plan`` runs this module in a subprocess that
-loads libtpu).
+"""The exact memory plan: the train step compiled ahead of time by libtpu for a TPU topology,
+with no chip attached, and its roofline.
+
+``compile_plan`` / ``compile_plans`` (the caller's side) run this module in a subprocess that
+loads libtpu (the calling process never loads the TPU runtime), and merge what it prints into
+the analytic plans (``gemmalab.plan``); the subprocess's side is ``main``:
 
     python -m gemmalab.train.aot '{"requests": [{"config": {...}, "accelerator": "v6e:2x4"}, ...]}'
 
-One JSON line per request on stdout, in order, each as soon as it is compiled.
+One JSON line per request on stdout, in order, each as soon as it is compiled. The plan cannot
+compile the train step itself (it sits below the train stage), so the exact plan is here.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
+from gemmalab.accelerators import Accelerator, parse_accelerator
 from gemmalab.config import TrainConfig
-from gemmalab.plan import (
-    Accelerator,
+from gemmalab.plan.exact import compile_environment, compiled_plan
+from gemmalab.plan.memory import MemoryPlan, estimate
+from gemmalab.plan.roofline import compiled_cost
+from gemmalab.plan.shapes import (
     abstract_params,
     adapter_params,
-    compiled_cost,
-    parse_accelerator,
     preference_segments_bound,
     vocab_size_hint,
 )
+from gemmalab.weights import resolution
+
+
+def compile_plan(config: TrainConfig, accelerator: Accelerator | str, *,
+                 timeout_s: float = 3600, price_per_chip_hour: float | None = None) -> MemoryPlan:
+    """The exact plan: XLA's memory analysis of the step compiled by libtpu for the topology.
+
+    Runs this module (the train stage's step, compiled ahead of time) in a subprocess that
+    loads libtpu (CPU-only machines welcome); the analytic estimate rides along for comparison.
+    The roofline then takes XLA's FLOPs and bytes accessed of the compiled step (which count a
+    loop's body once: the loss's chunks and gradient accumulation's micro-batches are loops).
+    """
+    config = resolution.resolve(config).config  # a run's choices, decided as it decides them
+    return compile_plans([(config, accelerator)], timeout_s=timeout_s,
+                         price_per_chip_hour=price_per_chip_hour)[0]
+
+
+def compile_plans(targets: Sequence[tuple[TrainConfig, Accelerator | str]], *,
+                  timeout_s: float = 3600, price_per_chip_hour: float | None = None
+                  ) -> list[MemoryPlan]:
+    """``compile_plan`` of each ``(config, accelerator)``, in one subprocess: libtpu's start-up
+    (~25 s here) and the imports are paid once, not once a plan. Identical targets compile once.
+    ``timeout_s`` bounds the whole subprocess."""
+    targets = [(resolution.resolve(config).config,
+                parse_accelerator(accelerator) if isinstance(accelerator, str) else accelerator)
+               for config, accelerator in targets]
+    # Validates every mesh, batch and the price first, instantly.
+    analytics = [estimate(config, accelerator, price_per_chip_hour=price_per_chip_hour)
+                 for config, accelerator in targets]
+    env = compile_environment([accelerator for _, accelerator in targets])
+    # The whole config: a field the compiled step depends on cannot be left out.
+    requests = [{"config": config.to_dict(), "accelerator": accelerator.name}
+                for config, accelerator in targets]
+    keys = [json.dumps(request, sort_keys=True) for request in requests]
+    distinct = list(dict.fromkeys(keys))
+    argument = json.dumps({"requests": [requests[keys.index(key)] for key in distinct]})
+    # This very module, by its own name (libtpu must load in a process of its own).
+    result = subprocess.run([sys.executable, "-m", __spec__.name, argument],
+                            env=env, capture_output=True, text=True, timeout=timeout_s)
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+        names = ", ".join(dict.fromkeys(accelerator.name for _, accelerator in targets))
+        raise RuntimeError(f"compiling for {names} failed:\n{tail}")
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    compiled = dict(zip(distinct, (json.loads(line) for line in lines[-len(distinct):]),
+                        strict=True))
+    return [compiled_plan(analytic, compiled[key])
+            for key, analytic in zip(keys, analytics, strict=True)]
 
 
 def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any]:
@@ -33,6 +88,7 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
     (no adapters) on the step's third argument: LoRA's frozen base, or in full fine-tuning a
     compute-dtype copy of the weights sharded like them. Its segments a row are
     ``plan.preference_segments_bound`` (no data is read here)."""
+    config = resolution.resolve(config).config  # a run's choices, decided as it decides them
     import time
 
     import jax

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab import plan, storage
+from gemmalab import storage
+from gemmalab.accelerators import attached_accelerator, peak_device_bytes
 from gemmalab.config import TrainConfig
 from gemmalab.data import chat as chat_template
 from gemmalab.data import packing
@@ -35,6 +36,8 @@ from gemmalab.data.documents import CONVERSATIONAL
 from gemmalab.data.preparation import PreparedData, TrainingData, prepare_data, training_data
 from gemmalab.errors import ConfigError, TrainingDiverged
 from gemmalab.model import lora, mesh, presets, sampling
+from gemmalab.plan.fit import require_fits
+from gemmalab.plan.memory import MemoryPlan, estimate
 from gemmalab.train import (
     checkpoints,
     compile_cache,
@@ -64,7 +67,7 @@ class Experiment:
     weights: TrainWeights
     optimizer: Any
     schedule: Any
-    memory_plan: plan.MemoryPlan
+    memory_plan: MemoryPlan
     checkpoints: checkpoints.TrainCheckpoints
     checkpoint_name: str  # the base: e.g. embedded:gemma3-270m, a path, or "" (random init)
     startup: metrics.Startup
@@ -100,8 +103,8 @@ class Experiment:
             storage.require_gcs_credentials("output_dir", config.runtime.output_dir)
         checkpoint = sources.resolve(config.model.checkpoint, config.model.preset, config.runtime.resolved_cache_dir)
         # Refused here, before the data is tokenized and the weights loaded.
-        devices = plan.attached_accelerator(list(device_mesh.devices.flat))
-        memory_plan = (plan.require_fits if config.runtime.check_memory else plan.estimate)(config, devices)
+        devices = attached_accelerator(list(device_mesh.devices.flat))
+        memory_plan = (require_fits if config.runtime.check_memory else estimate)(config, devices)
         previous = checkpoints.previous_run(config)
         # One checkpoint (trained weights and AdamW's two moments) and the final params.
         state_bytes = ((3 * memory_plan.trainable_params + memory_plan.num_params)
@@ -392,7 +395,7 @@ class Experiment:
             **self.weights.bytes_per_device(),
             # The analytic plan beside what the runtime saw (TPU/GPU report a peak; CPUs don't).
             "planned_bytes_per_device": self.memory_plan.per_device_bytes,
-            "peak_device_bytes": plan.peak_device_bytes(),
+            "peak_device_bytes": peak_device_bytes(),
             "processes": jax.process_count(),
             "checkpoint": self.checkpoint_name,
             "tokenizer_vocab_size": self.prepared.tokenizer_info.vocab_size,

@@ -1,6 +1,6 @@
 """This host's dense matmul rate: what a CPU run's ``cpu_mfu`` is measured against.
 
-CPUs list no peak (``plan.Accelerator.peak_flops`` is None there), so a CPU run measures one: the
+CPUs list no peak (``Accelerator.peak_flops`` is None there), so a CPU run measures one: the
 best rate of a jitted square ``jnp.dot`` (``SIZE`` x ``SIZE``, 2 n^3 FLOPs) in the run's compute
 dtype on one CPU device (XLA's CPU backend runs one device's matmul on every core), compiled and
 warmed up first; a few seconds. Kept once per machine in the machine's own cache
@@ -35,7 +35,7 @@ BUSY_LOAD_PER_CPU = 0.5  # above this load a measurement is used once, not cache
 
 def of_run(devices: Any, dtype: Any, cache_dir: str | os.PathLike | None = None
            ) -> float | None:
-    """The peak a run on ``devices`` (``plan.Accelerator``) reports ``cpu_mfu`` against: the
+    """The peak a run on ``devices`` (``Accelerator``) reports ``cpu_mfu`` against: the
     host's rate on CPUs, None elsewhere (accelerators have a listed peak: ``mfu``).
 
     The host's rate, not times the device count: CPU devices, simulated ones

@@ -252,21 +252,21 @@ class FlopAccounting:
                devices: Any, host_peak_flops_per_s: float | None = None) -> FlopAccounting:
         """``num_params``: every weight (not full fine-tuning DPO's reference copy: the config's
         ``objective`` adds its forward pass, ``plan.model_flops``); ``adapters``: LoRA's share of
-        them (0 without); ``devices``: ``plan.Accelerator`` of the run's devices;
+        them (0 without); ``devices``: ``gemmalab.accelerators.Accelerator`` of the run's devices;
         ``host_peak_flops_per_s``: on CPUs, ``host_peak.of_run``'s measured rate (the whole
         host's, for every device)."""
-        from gemmalab import plan
+        from gemmalab.plan.roofline import model_flops
 
-        flops = plan.model_flops(model_config, num_params - adapters, config, adapters=adapters)
+        flops = model_flops(model_config, num_params - adapters, config, adapters=adapters)
         peak = devices.peak_flops * devices.chips if devices.peak_flops else None
         return cls(model_flops_per_step=flops, peak_flops_per_s=peak,
                    host_peak_flops_per_s=host_peak_flops_per_s)
 
     def record_compiled(self, compiled: Any) -> None:
         """XLA's FLOP count of the compiled step: one device's program, times every device."""
-        from gemmalab import plan
+        from gemmalab.plan.roofline import compiled_cost
 
-        cost = plan.compiled_cost(compiled)
+        cost = compiled_cost(compiled)
         self.compiled_flops_per_step = float(cost.get("flops", 0.0)) * jax.device_count()
 
     def summary(self, steps: int, seconds: float) -> dict[str, float | None]:

@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab import plan
 from gemmalab.config import CHAT_TURN_TOKENS, TrainConfig
 from gemmalab.data import tokenizer as tokenizers
 from gemmalab.errors import ConfigError
 from gemmalab.model import lora, presets, sharding
+from gemmalab.plan import shapes
 from gemmalab.train import checkpoints, optimization
 from gemmalab.weights import sources
 
@@ -216,8 +216,8 @@ def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: 
     (with LoRA: fresh adapters; the base weights are not part of the state)."""
     param_dtype = jnp.dtype(config.model.param_dtype)
     # The same abstract trees the memory plan traced (cached per model config).
-    expected = (plan.adapter_params(base_model.config, config, token_rows) if config.lora.rank
-                else plan.abstract_params(base_model.config, config.model.param_dtype))
+    expected = (shapes.adapter_params(base_model.config, config, token_rows) if config.lora.rank
+                else shapes.abstract_params(base_model.config, config.model.param_dtype))
     shardings = optimization.state_sharding(expected, optimizer, device_mesh)
     abstract = optimization.abstract_state(expected, optimizer, shardings)
     restored = saved.restore_latest(abstract, iterator) if resume else None
@@ -242,7 +242,7 @@ def _frozen_base(config: TrainConfig, base_model: Any, checkpoint: sources.Resol
     """The starting weights in the compute dtype (LoRA's base, DPO's reference), read (or drawn
     from ``seed``) into their shards; the same on a resume, so they are never checkpointed.
     Returns (weights, shardings)."""
-    expected = plan.abstract_params(base_model.config, config.model.param_dtype)
+    expected = shapes.abstract_params(base_model.config, config.model.param_dtype)
     compute_dtype = jnp.dtype(config.model.compute_dtype)
     params = initial_params(base_model, checkpoint, config, compute_dtype, device_mesh, expected)
     params = jax.tree.map(lambda p: p.astype(compute_dtype), params)  # random init: master dtype

@@ -20,7 +20,7 @@ from gemmalab import plan
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.model import attention, lora, mesh, presets
-from gemmalab.train import optimization
+from gemmalab.train import aot, optimization
 from tests.helpers.models import short_tiny
 
 WINDOW = 16  # the tiny preset's local layers, narrowed well below the row
@@ -330,7 +330,7 @@ def test_splash_compiles_for_tpu_and_needs_less_temporary_memory():
     # Four chips, rows over data and heads over tensor (shard_map), blocks rematerialised.
     split = config.replace(attention="splash", batch_size=8, maxlen=256,
                                 mesh={"data": 2, "tensor": 2}, remat="full")
-    gemma, splash, shard_mapped = plan.compile_plans(
+    gemma, splash, shard_mapped = aot.compile_plans(
         [(config.replace(attention="gemma"), "v6e:1x1"),
          (config.replace(attention="splash"), "v6e:1x1"), (split, "v6e:2x2")])
     assert splash.breakdown["temporaries"] < 0.5 * gemma.breakdown["temporaries"]

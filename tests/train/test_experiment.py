@@ -169,7 +169,7 @@ def _expect(parameter, fragment, config):
 
 def test_batch_size_not_divisible_by_devices(tmp_path, cache_dir, stories_file,
                                              nothing_expensive):
-    _expect("batch_size", "not divisible by the data-parallel size 8",
+    _expect("batch_size", "not divisible by the 8 data-parallel ways",
             small_config(tmp_path, cache_dir, stories_file, batch_size=12))
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gemmalab.plan import Accelerator
+from gemmalab.accelerators import Accelerator
 from gemmalab.train import host_peak
 
 SIZE = 64  # tiny: the figure's plumbing, not its value
@@ -97,7 +97,7 @@ def test_only_single_process_cpu_runs_measure(tmp_path, monkeypatch):
     monkeypatch.setattr(host_peak, "measure", counting(calls))
     h200 = Accelerator("h200", 8, 141 << 30, 989e12)
     assert host_peak.of_run(h200, "bfloat16", tmp_path) is None
-    # A GPU without a row in plan.CHIPS (an A100: kind "gpu", as attached_accelerator names it).
+    # A GPU without a row in CHIPS (an A100: kind "gpu", as attached_accelerator names it).
     other_gpu = Accelerator("gpu", 1, 40 << 30, None)
     assert other_gpu.platform == "gpu"
     assert host_peak.of_run(other_gpu, "bfloat16", tmp_path) is None

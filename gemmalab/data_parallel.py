@@ -1,0 +1,39 @@
+"""How a batch splits over the devices: the one check (and message) of a batch that does not.
+
+The batch is split over the mesh's ``data`` and ``fsdp`` axes (``BATCH_AXES``), and each device's
+share again into ``grad_accum_steps`` micro-batches. The run (``gemmalab.model.mesh``), the plan
+(``gemmalab.plan``) and the cluster config (``gemmalab.k8s.config``) check it here, before any
+expensive work starts. Part of the ground: imports only ``gemmalab.config`` and
+``gemmalab.errors``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from gemmalab.config import DATA_AXIS, FSDP_AXIS
+from gemmalab.errors import ConfigError
+
+# The batch is split over every axis that holds different examples.
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
+
+
+def batch_ways(sizes: Mapping[str, int]) -> int:
+    """How many ways a mesh of these axis sizes splits the batch."""
+    return math.prod(int(sizes[axis]) for axis in BATCH_AXES)
+
+
+def check_batch_split(batch_size: int, ways: int, grad_accum_steps: int = 1, *,
+                      where: str) -> None:
+    """Every one of ``ways`` data-parallel ways gets the same rows in each of the
+    ``grad_accum_steps`` micro-batches; else a one-line ``ConfigError("batch_size", ...)``
+    naming the nearest batches that split. ``where``: the mesh or cluster the ways come from."""
+    size = ways * grad_accum_steps
+    if batch_size % size == 0:
+        return
+    lower, upper = batch_size // size * size, -(-batch_size // size) * size
+    nearest = f"{upper}" if lower == 0 else f"{lower} or {upper}"
+    accum = f" x {grad_accum_steps} micro-batches" if grad_accum_steps > 1 else ""
+    raise ConfigError("batch_size", f"{batch_size} is not divisible by the {ways} data-parallel "
+                      f"ways{accum} of {where}", f"use a multiple of {size}, e.g. {nearest}")

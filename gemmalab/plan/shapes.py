@@ -1,0 +1,72 @@
+"""The run's tensors before any is allocated: the vocabulary, the parameter and adapter trees
+(abstract: shapes and dtypes), DPO's segments a row and a block's dimensions on one device.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from gemmalab.config import TrainConfig
+
+BATCH_FIELD_COUNT = 5  # int32 rows per batch: gemmalab.data.packing.FIELDS
+GEMMA3_VOCAB = 262_144
+# A preference pair's two chat documents (prompt and reply in turn markers, each) take at least
+# this many next-token targets together: what bounds DPO's segments a row before any data is read.
+PAIR_MIN_TARGETS = 18
+
+
+def vocab_size_hint(config: TrainConfig) -> int:
+    """The embedding rows the run will have, known before the tokenizer is loaded."""
+    if config.model.preset == "gemma3-tiny" and config.model.tokenizer == "local":
+        return config.model.tokenizer_vocab_size
+    if (config.model.preset == "gemma3-tiny" and config.model.tokenizer.endswith(".model")
+            and Path(config.model.tokenizer).is_file()):  # e.g. the local one a continued run saved
+        import sentencepiece as spm
+
+        return spm.SentencePieceProcessor(model_file=config.model.tokenizer).vocab_size()
+    return GEMMA3_VOCAB  # Gemma's tokenizer; the largest a custom one may be for tiny
+
+
+@functools.cache
+def abstract_params(model_config: Any, param_dtype: str) -> Any:
+    """The parameter tree's shapes and dtypes (traced, nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    from gemmalab import gemma_lib
+
+    model = gemma_lib.gm().nn.Transformer(config=model_config, dtype=jnp.dtype(param_dtype))
+    return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+
+
+def adapter_params(model_config: Any, config: TrainConfig, token_rows: int = 0) -> Any:
+    """A LoRA run's trainable tree (its adapters and ``token_rows`` embedding rows), abstract;
+    ``{}`` without LoRA."""
+    if not config.lora.rank:
+        return {}
+    from gemmalab.model import lora
+
+    return lora.abstract_adapters(model_config, rank=config.lora.rank,
+                                  modules=config.lora.modules, dtype=config.model.param_dtype,
+                                  token_rows=token_rows)
+
+
+def preference_segments_bound(maxlen: int) -> int:
+    """DPO's segments a row can hold (``optimization.Preference.num_segments``) where no data has
+    been read (the plan, the ahead-of-time compile): two per pair, as many pairs as rows of
+    ``maxlen`` fit if each took ``PAIR_MIN_TARGETS`` targets. A run derives its own, tighter
+    bound from the data (``preparation._max_segments``)."""
+    return 2 * max(1, maxlen // PAIR_MIN_TARGETS)
+
+
+def block_dims(model_config: Any, sizes: dict[str, int]) -> tuple[int, int, int, int, int]:
+    """Embed and head dimension, and the heads, KV heads and MLP width one device computes."""
+    tensor = sizes["tensor"]
+
+    def split(n: int) -> int:
+        return n // tensor if n % tensor == 0 else n
+
+    return (model_config.embed_dim, model_config.head_dim, split(model_config.num_heads),
+            split(model_config.num_kv_heads), split(model_config.hidden_dim))
