@@ -97,7 +97,10 @@ def side_by_side(config: TrainConfig, before: contextlib.AbstractContextManager,
                 jax.block_until_ready(metrics)
                 times[name].append(time.perf_counter() - started)
     training = f"LoRA r{config.lora.rank}" if config.lora.rank else "full fine-tuning"
-    print(f"{config.trainer.batch_size} x {config.data.maxlen}, {training}, {rounds} alternating rounds")
+    print(
+        f"{config.trainer.batch_size} x {config.data.maxlen}, {training}, "
+        f"{rounds} alternating rounds"
+    )
     report(times)
 
 

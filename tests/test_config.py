@@ -133,8 +133,11 @@ def test_from_parameters_takes_every_field_among_a_notebooks_variables():
     namespace = {"model": "gemma3-tiny", "compute_dtype": "float32", "warmup_ratio": 0.2,
                  "prompt": "not a field", "In": [], "profile_dir": "x"}
     config = TrainConfig.from_parameters(namespace, output_dir="runs/p")
-    assert (config.model.compute_dtype, config.optimizer.warmup_ratio, config.runtime.output_dir) == (
-        "float32", 0.2, "runs/p")
+    assert (
+        config.model.compute_dtype,
+        config.optimizer.warmup_ratio,
+        config.runtime.output_dir,
+    ) == ("float32", 0.2, "runs/p")
     assert config.data.maxlen == TrainConfig().data.maxlen  # not given: the dataclass default
     with pytest.raises(ConfigError, match="^compute_dtype: unknown dtype"):
         TrainConfig.from_parameters({"compute_dtype": "fp8"})
@@ -186,26 +189,42 @@ def test_an_output_dir_with_glob_wildcards_is_refused(output_dir):
         TrainConfig.flat(output_dir=output_dir)
 
 
-@pytest.mark.parametrize(("values", "message"), [
-    ({"resume": "false"}, "resume: 'false' is not True or False. Fix: use True or False "
-                          "(papermill reads -p resume False as one; other words as text)"),
-    ({"packing": 0}, "packing: 0 is not True or False. Fix: use True or False"),
-    ({"max_steps": 2.0}, "max_steps: 2.0 is not a whole number. Fix: use 2"),
-    ({"batch_size": 8.5}, "batch_size: 8.5 is not a whole number. Fix: use a whole number"),
-    ({"maxlen": "64"}, "maxlen: '64' is not a whole number. Fix: use the number 64, not text "
-                       "(papermill: -p, not -r)"),
-    ({"seed": None}, "seed: cannot be None. Fix: use a whole number, e.g. its default 0"),
-    ({"data_path": None}, "data_path: cannot be None. Fix: use a string, e.g. its default ''"),
-    ({"learning_rate": float("inf")}, "learning_rate: inf is not a finite number. Fix: use a "
-                                      "finite number"),
-    ({"weight_decay": float("nan")}, "weight_decay: nan is not a finite number. Fix: use a "
-                                     "finite number"),
-    ({"lora_rank": 8, "lora_train_tokens": "<end_of_turn>"}, "lora_train_tokens: '<end_of_turn>' is not a "
-     "list. Fix: give a list (papermill: -y 'lora_train_tokens: [...]')"),
-    ({"adam_b1": 1.0}, "adam_b1: 1.0 is outside [0, 1). Fix: use e.g. 0.9"),
-    ({"adam_b2": 1.5}, "adam_b2: 1.5 is outside [0, 1). Fix: use e.g. 0.95"),
-    ({"weight_decay": -5}, "weight_decay: -5 is negative. Fix: use 0 (none) or e.g. 0.01"),
-])
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"resume": "false"},
+            "resume: 'false' is not True or False. Fix: use True or False "
+            "(papermill reads -p resume False as one; other words as text)",
+        ),
+        ({"packing": 0}, "packing: 0 is not True or False. Fix: use True or False"),
+        ({"max_steps": 2.0}, "max_steps: 2.0 is not a whole number. Fix: use 2"),
+        ({"batch_size": 8.5}, "batch_size: 8.5 is not a whole number. Fix: use a whole number"),
+        (
+            {"maxlen": "64"},
+            "maxlen: '64' is not a whole number. Fix: use the number 64, not text "
+            "(papermill: -p, not -r)",
+        ),
+        ({"seed": None}, "seed: cannot be None. Fix: use a whole number, e.g. its default 0"),
+        ({"data_path": None}, "data_path: cannot be None. Fix: use a string, e.g. its default ''"),
+        (
+            {"learning_rate": float("inf")},
+            "learning_rate: inf is not a finite number. Fix: use a finite number",
+        ),
+        (
+            {"weight_decay": float("nan")},
+            "weight_decay: nan is not a finite number. Fix: use a finite number",
+        ),
+        (
+            {"lora_rank": 8, "lora_train_tokens": "<end_of_turn>"},
+            "lora_train_tokens: '<end_of_turn>' is not a "
+            "list. Fix: give a list (papermill: -y 'lora_train_tokens: [...]')",
+        ),
+        ({"adam_b1": 1.0}, "adam_b1: 1.0 is outside [0, 1). Fix: use e.g. 0.9"),
+        ({"adam_b2": 1.5}, "adam_b2: 1.5 is outside [0, 1). Fix: use e.g. 0.95"),
+        ({"weight_decay": -5}, "weight_decay: -5 is negative. Fix: use 0 (none) or e.g. 0.01"),
+    ],
+)
 def test_a_value_of_the_wrong_type_or_range_is_refused_by_name(values, message):
     """papermill passes `-p resume false` as text (truthy) and `-p max_steps 2.0` as a float:
     each field's annotation is checked before anything compares or computes with it."""

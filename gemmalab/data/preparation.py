@@ -40,17 +40,25 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     the cached tokenizer and tokens.
     """
     config.require_resolved("prepare_data")
-    presets.check_num_layers(config.model.preset, config.model.num_layers)  # before the tokenizer's work
+    presets.check_num_layers(
+        config.model.preset, config.model.num_layers
+    )  # before the tokenizer's work
     cache_dir = config.runtime.resolved_cache_dir
     storage.require_writable_directory("cache_dir", cache_dir)
-    corpus = documents.resolve_corpus(config.data.path, cache_dir=cache_dir,
-                                      embedded_stories=config.data.embedded_stories, seed=config.trainer.seed,
-                                      skip_bad_records=config.data.skip_bad_records,
-                                      preferences=config.trainer.objective == "dpo")
+    corpus = documents.resolve_corpus(
+        config.data.path,
+        cache_dir=cache_dir,
+        embedded_stories=config.data.embedded_stories,
+        seed=config.trainer.seed,
+        skip_bad_records=config.data.skip_bad_records,
+        preferences=config.trainer.objective == "dpo",
+    )
     rule = SplitRule(config.data.eval_fraction, config.data.max_eval_stories,
                      jax.process_index(), jax.process_count())
     tokenizer, info = _load_tokenizer_everywhere(config, corpus, rule)
-    model_config = presets.model_config(config.model.preset, info.vocab_size, config.model.num_layers)
+    model_config = presets.model_config(
+        config.model.preset, info.vocab_size, config.model.num_layers
+    )
     if info.vocab_size > model_config.num_embed:
         raise ConfigError("tokenizer", f"its vocabulary ({info.vocab_size}) is larger than "
                           f"{config.model.preset}'s embedding ({model_config.num_embed})",
@@ -77,11 +85,18 @@ def _load_tokenizer_everywhere(config: TrainConfig, corpus: Corpus, rule: SplitR
                                ) -> tuple[Any, Any]:
     """Load (or train, on process 0 only, then share) the tokenizer."""
     def load(stories_allowed: bool):
-        stories = (documents.training_stories(corpus.path, rule, config.data.datacount, corpus.format)
-                   if stories_allowed else None)
+        stories = (
+            documents.training_stories(corpus.path, rule, config.data.datacount, corpus.format)
+            if stories_allowed
+            else None
+        )
         return tokenizers.load_tokenizer(
-            config.model.tokenizer, cache_dir=config.runtime.resolved_cache_dir, training_stories=stories,
-            vocab_size=config.model.tokenizer_vocab_size, corpus_fingerprint=corpus.fingerprint)
+            config.model.tokenizer,
+            cache_dir=config.runtime.resolved_cache_dir,
+            training_stories=stories,
+            vocab_size=config.model.tokenizer_vocab_size,
+            corpus_fingerprint=corpus.fingerprint,
+        )
 
     if config.model.tokenizer != "local" or jax.process_count() == 1:
         return load(True)
@@ -130,17 +145,31 @@ def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
 
         local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 3)
         local = np.asarray([*local[:, :2].sum(0), local[:, 2].mean()])
-    per_epoch = packing.steps_per_epoch(int(local[0]), int(local[1]),
-                                        batch_size=config.trainer.batch_size, maxlen=config.data.maxlen,
-                                        packing=config.data.packing, fill=float(local[2]) / 1e6)
+    per_epoch = packing.steps_per_epoch(
+        int(local[0]),
+        int(local[1]),
+        batch_size=config.trainer.batch_size,
+        maxlen=config.data.maxlen,
+        packing=config.data.packing,
+        fill=float(local[2]) / 1e6,
+    )
     total_steps = (config.trainer.max_steps if config.trainer.max_steps is not None
                    else per_epoch * config.trainer.num_epochs)
     iterator = grain_batches.train_batches(
-        cache.train, maxlen=config.data.maxlen, packing=config.data.packing, seed=config.trainer.seed,
-        rows_per_process=config.trainer.batch_size // jax.process_count())
-    evals = packing.eval_batches(cache.eval, maxlen=config.data.maxlen, batch_size=config.trainer.batch_size,
-                                 packing=config.data.packing, process_index=jax.process_index(),
-                                 process_count=jax.process_count())
+        cache.train,
+        maxlen=config.data.maxlen,
+        packing=config.data.packing,
+        seed=config.trainer.seed,
+        rows_per_process=config.trainer.batch_size // jax.process_count(),
+    )
+    evals = packing.eval_batches(
+        cache.eval,
+        maxlen=config.data.maxlen,
+        batch_size=config.trainer.batch_size,
+        packing=config.data.packing,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
     stats = {"tokenizer": prepared.tokenizer_info.name,
              **data_stats(prepared.corpus, cache, windows), "packed_fill": round(fill, 4)}
     return TrainingData(train_iterator=iterator, eval_batches=evals, steps_per_epoch=per_epoch,

@@ -78,10 +78,17 @@ def load_runs(finetuned: str | Sequence[str]) -> list[Run]:
     for output_dir in dirs[1:]:
         summary, config = _finished(output_dir, "leave out runs that have not finished")
         for what, mine, theirs in (
-                ("model", summary["model_config"], first.summary["model_config"]),
-                ("tokenizer", (config.model.tokenizer, config.model.tokenizer_vocab_size, config.data.path),
-                 (first.config.model.tokenizer, first.config.model.tokenizer_vocab_size,
-                  first.config.data.path))):
+            ("model", summary["model_config"], first.summary["model_config"]),
+            (
+                "tokenizer",
+                (config.model.tokenizer, config.model.tokenizer_vocab_size, config.data.path),
+                (
+                    first.config.model.tokenizer,
+                    first.config.model.tokenizer_vocab_size,
+                    first.config.data.path,
+                ),
+            ),
+        ):
             if mine != theirs:
                 raise ConfigError("finetuned", f"{output_dir} has another {what} than "
                                   f"{first.output_dir}",
@@ -118,7 +125,9 @@ def base_params(run: Run, checkpoint: str = "run", *, origin: TrainConfig | None
         params = presets.init_params(run.model, seed=origin.seed, sample_length=origin.maxlen)
         return Contender("base (random init)", params)
     target = abstract_params(run.model.config, run.config.model.param_dtype)
-    params = sources.load(resolved, target, text_only=presets.PRESETS[run.config.model.preset].multimodal)
+    params = sources.load(
+        resolved, target, text_only=presets.PRESETS[run.config.model.preset].multimodal
+    )
     return Contender(f"base ({resolved.name})", params)
 
 
@@ -217,8 +226,9 @@ def task_instructions(run: Run, count: int) -> list[Conversation]:
     if not run.data.corpus.conversational:
         return []
     rule = documents.SplitRule(run.config.data.eval_fraction, run.config.data.max_eval_stories)
-    held_out = documents.heldout_conversations(run.data.corpus.path, rule, run.config.data.datacount,
-                                               run.data.corpus.format)
+    held_out = documents.heldout_conversations(
+        run.data.corpus.path, rule, run.config.data.datacount, run.data.corpus.format
+    )
     return list(itertools.islice((c for c in held_out if c.facts), count))
 
 
@@ -282,8 +292,9 @@ def perplexity_table(run: Run, contenders: list[Contender]) -> Any:
         batches = chosen_replies_only(batches)
     # One architecture: one placement and one compiled step serve every contender.
     shardings = sharding.param_sharding(contenders[0].params, device_mesh)
-    step = optimization.make_eval_step(run.model, jnp.dtype(run.config.model.compute_dtype), device_mesh,
-                                       shardings)
+    step = optimization.make_eval_step(
+        run.model, jnp.dtype(run.config.model.compute_dtype), device_mesh, shardings
+    )
     rows = []
     for contender in contenders:
         params = jax.device_put(contender.params, shardings)

@@ -37,7 +37,7 @@ def suggest_fit(config: TrainConfig, accelerator: Accelerator) -> tuple[dict[str
         except ConfigError:  # e.g. the batch does not split that many ways
             continue
         if plan.fits:
-            return {k: v for k, v in change.items() if getattr(config, k) != v}, plan
+            return {k: v for k, v in change.items() if config.to_dict()[k] != v}, plan
     return None
 
 
@@ -128,8 +128,10 @@ def require_fits(config: TrainConfig, accelerator: Accelerator) -> MemoryPlan:
     where = (f"{accelerator.kind} device" if accelerator.platform != "cpu"
              else "CPU device (host memory shared by the local devices)")
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in plan.breakdown.items() if v >= GIB / 10)
-    problem = (f"{config.model.preset} needs ~{plan.per_device_bytes / GIB:.1f} GiB per device ({parts}) "
-               f"but a {where} has {plan.usable_bytes / GIB:.1f} GiB usable")
+    problem = (
+        f"{config.model.preset} needs ~{plan.per_device_bytes / GIB:.1f} GiB per device ({parts}) "
+        f"but a {where} has {plan.usable_bytes / GIB:.1f} GiB usable"
+    )
     override = "or set check_memory=False to run anyway"
     found = suggest_fit(config, accelerator)
     if found:

@@ -164,8 +164,11 @@ class MemoryPlan:
 
 def resolved_mesh(config: TrainConfig, chips: int) -> dict[str, int]:
     if chips % config.runtime.num_slices:
-        raise ConfigError("num_slices", f"{config.runtime.num_slices} does not divide {chips} chips",
-                          "use the number of slices the chips come in")
+        raise ConfigError(
+            "num_slices",
+            f"{config.runtime.num_slices} does not divide {chips} chips",
+            "use the number of slices the chips come in",
+        )
     sizes = resolve_mesh_shape(config.runtime.mesh, chips // config.runtime.num_slices)
     return {**sizes, DATA_AXIS: sizes[DATA_AXIS] * config.runtime.num_slices}
 
@@ -237,12 +240,19 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
         # Gradients of the compute-dtype weights, all alive for the global-norm clip; a
         # master-dtype accumulator besides them when micro-batches are summed.
         "gradients": trained * c_size + (weights if accumulating else 0),
-        "weight_copies": (_weight_copy_bytes(shards, gathered, config.model.remat, base_size, c_size)
-                          + (_reference_gather_bytes(gathered, c_size) if reference else 0)),
-        "activations": _activation_bytes(model_config, sizes, config, c_size,
-                                         splash=_runs_splash(config, accelerator)),
+        "weight_copies": (
+            _weight_copy_bytes(shards, gathered, config.model.remat, base_size, c_size)
+            + (_reference_gather_bytes(gathered, c_size) if reference else 0)
+        ),
+        "activations": _activation_bytes(
+            model_config, sizes, config, c_size, splash=_runs_splash(config, accelerator)
+        ),
         "logits": _logits_bytes(config, sizes, vocab, data_ways),
-        "batch": BATCH_FIELD_COUNT * 4 * config.trainer.batch_size // data_ways * config.data.maxlen,
+        "batch": BATCH_FIELD_COUNT
+        * 4
+        * config.trainer.batch_size
+        // data_ways
+        * config.data.maxlen,
         # The compiled program itself: 0.27-0.48 GiB in the compiled steps of docs/scaling.md.
         "code": 0 if accelerator.platform == "cpu" else int(0.4 * GIB),
     }
@@ -308,7 +318,8 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
 
     ``splash``: attention by the splash kernel (gemmalab.model.attention), which keeps no scores.
 
-    DPO (``config.trainer.objective``): the reference's forward pass runs after the policy's forward and
+    DPO (``config.trainer.objective``): the reference's forward pass runs after the policy's
+    forward and
     before its backward (the loss needs both), so its working set (one block, one logits chunk)
     is alive with what the backward pass keeps but not with the backward's own working set,
     which is larger: it adds nothing here but its output, the final hidden states (one row of
@@ -319,7 +330,9 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
     """
     d, hd, heads, kv_heads, ffw = block_dims(model_config, sizes)
     length = config.data.maxlen
-    rows = config.trainer.batch_size // (sizes["data"] * sizes["fsdp"] * config.trainer.grad_accum_steps)
+    rows = config.trainer.batch_size // (
+        sizes["data"] * sizes["fsdp"] * config.trainer.grad_accum_steps
+    )
     tokens = rows * length
     # Per token of one block, what XLA keeps for the backward pass (calibrated against the
     # compiled step, docs/scaling.md): the block input, q/k/v, the attention output, the gated

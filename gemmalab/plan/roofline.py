@@ -104,7 +104,8 @@ def model_flops(model_config: Any, num_params: int, config: TrainConfig, *,
     weight costs 4 (forward, and the gradient through it; none for itself) and each adapter
     weight 6.
 
-    DPO (``config.trainer.objective == "dpo"``) adds the reference model's forward pass: 2 more per base
+    DPO (``config.trainer.objective == "dpo"``) adds the reference model's forward pass: 2
+    more per base
     weight (``num_params``: 8 in full fine-tuning, 6 with LoRA; the reference runs no adapters)
     and attention's forward products (16 instead of 12)."""
     tokens = config.trainer.batch_size * config.data.maxlen
@@ -168,7 +169,11 @@ def traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int],
     if not lora and chunks > 1:  # the embedding's gradient, read and written by every chunk
         gradients += 2 * accum * (chunks - 1) * embedding * c_size
     d, hd, heads, kv_heads, ffw = block_dims(model_config, sizes)
-    tokens = config.trainer.batch_size // (sizes[DATA_AXIS] * sizes[FSDP_AXIS] * accum) * config.data.maxlen
+    tokens = (
+        config.trainer.batch_size
+        // (sizes[DATA_AXIS] * sizes[FSDP_AXIS] * accum)
+        * config.data.maxlen
+    )
     block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw) * c_size
     impl = attention.resolve(config.model.attention, accelerator.platform)
     if impl == "gemma" or (impl == "dot_product" and accelerator.platform != "gpu"):
@@ -192,5 +197,10 @@ def _loss_chunks(config: TrainConfig, vocab: int) -> int:
     1: the whole micro-batch's logits at once, kept for the backward pass."""
     from gemmalab.model.cross_entropy import LOSS_CHUNK_LOGITS
 
-    span = max(1, LOSS_CHUNK_LOGITS // vocab // (config.trainer.batch_size // config.trainer.grad_accum_steps))
+    span = max(
+        1,
+        LOSS_CHUNK_LOGITS
+        // vocab
+        // (config.trainer.batch_size // config.trainer.grad_accum_steps),
+    )
     return 1 if span >= config.data.maxlen else -(-config.data.maxlen // span)

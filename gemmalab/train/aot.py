@@ -84,7 +84,8 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
     """Lower and compile the train step for the topology's devices: XLA's memory breakdown, its
     FLOP count, one device's bytes accessed and the seconds it took.
 
-    ``config.trainer.objective == "dpo"``: the step with DPO's reference forward pass, the base model
+    ``config.trainer.objective == "dpo"``: the step with DPO's reference forward pass, the
+    base model
     (no adapters) on the step's third argument: LoRA's frozen base, or in full fine-tuning a
     compute-dtype copy of the weights sharded like them. Its segments a row are
     ``plan.preference_segments_bound`` (no data is read here)."""
@@ -102,10 +103,19 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
 
     start = time.perf_counter()
     topology = topologies.get_topology_desc(platform="tpu", topology_name=accelerator.topology)
-    device_mesh = mesh.make_mesh(config.runtime.mesh, topology.devices, num_slices=config.runtime.num_slices)
-    model_config = presets.model_config(config.model.preset, vocab_size_hint(config), config.model.num_layers)
-    model = presets.build_model(model_config, param_dtype=jnp.dtype(config.model.param_dtype),
-                                remat=config.model.remat, attention=config.model.attention, mesh=device_mesh)
+    device_mesh = mesh.make_mesh(
+        config.runtime.mesh, topology.devices, num_slices=config.runtime.num_slices
+    )
+    model_config = presets.model_config(
+        config.model.preset, vocab_size_hint(config), config.model.num_layers
+    )
+    model = presets.build_model(
+        model_config,
+        param_dtype=jnp.dtype(config.model.param_dtype),
+        remat=config.model.remat,
+        attention=config.model.attention,
+        mesh=device_mesh,
+    )
     base_model = model
     params = abstract_params(model_config, config.model.param_dtype)
     frozen = frozen_shardings = preference_settings = None
@@ -134,11 +144,17 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
     rows = jax.ShapeDtypeStruct((config.trainer.batch_size, config.data.maxlen), jnp.int32,
                                 sharding=mesh.batch_sharding(device_mesh))
     batch = {name: rows for name in packing.FIELDS}
-    step = optimization.make_train_step(model, optimizer, schedule, jnp.dtype(config.model.compute_dtype),
-                                        device_mesh, shardings,
-                                        grad_accum_steps=config.trainer.grad_accum_steps,
-                                        frozen_shardings=frozen_shardings,
-                                        preference_settings=preference_settings)
+    step = optimization.make_train_step(
+        model,
+        optimizer,
+        schedule,
+        jnp.dtype(config.model.compute_dtype),
+        device_mesh,
+        shardings,
+        grad_accum_steps=config.trainer.grad_accum_steps,
+        frozen_shardings=frozen_shardings,
+        preference_settings=preference_settings,
+    )
     compiled = step.lower(abstract_state, batch, frozen).compile()
     memory = compiled.memory_analysis()
     cost = compiled_cost(compiled)

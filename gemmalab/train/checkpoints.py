@@ -161,10 +161,12 @@ def require_steps_ahead(saved: TrainCheckpoints, total_steps: int, config: Train
     step and save the further state under a smaller step's name."""
     done = max(saved.steps(), default=0) if config.checkpoints.resume else 0
     if done > total_steps:
-        raise ConfigError("max_steps" if config.trainer.max_steps else "num_epochs",
-                          f"the run in {config.runtime.output_dir} has done {done} steps, more than "
-                          f"the {total_steps} this config trains",
-                          f"use max_steps >= {done} to continue it, or a new output_dir")
+        raise ConfigError(
+            "max_steps" if config.trainer.max_steps else "num_epochs",
+            f"the run in {config.runtime.output_dir} has done {done} steps, more than "
+            f"the {total_steps} this config trains",
+            f"use max_steps >= {done} to continue it, or a new output_dir",
+        )
 
 
 def resume_values(config: TrainConfig) -> dict[str, Any]:
@@ -178,9 +180,16 @@ def previous_run(config: TrainConfig) -> dict[str, Any] | None:
     """The checkpointed run in ``output_dir`` that this one continues, checked to match."""
     stored = stored_config(config.runtime.output_dir)
     if stored is not None and not config.checkpoints.resume:
-        raise ConfigError("resume", f"{config.runtime.output_dir} holds the checkpoints of an earlier "
-                          "run", "use resume=True to continue it, or a new output_dir")
-    if stored is None and not config.checkpoints.resume and not is_empty_dir(config.runtime.output_dir):
+        raise ConfigError(
+            "resume",
+            f"{config.runtime.output_dir} holds the checkpoints of an earlier run",
+            "use resume=True to continue it, or a new output_dir",
+        )
+    if (
+        stored is None
+        and not config.checkpoints.resume
+        and not is_empty_dir(config.runtime.output_dir)
+    ):
         raise ConfigError("resume", f"resume=False but {config.runtime.output_dir} is not empty",
                           "use a new or empty output_dir")
     if stored is not None:

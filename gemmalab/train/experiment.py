@@ -98,10 +98,14 @@ class Experiment:
         # First, so every compile of the run (init, steps, sampler) is read from or written to it.
         compile_cache.enable(config.runtime.resolved_cache_dir)
         device_mesh = mesh.make_mesh(config.runtime.mesh, num_slices=config.runtime.num_slices)
-        mesh.check_batch_size(config.trainer.batch_size, device_mesh, config.trainer.grad_accum_steps)
+        mesh.check_batch_size(
+            config.trainer.batch_size, device_mesh, config.trainer.grad_accum_steps
+        )
         if storage.is_gcs(config.runtime.output_dir):
             storage.require_gcs_credentials("output_dir", config.runtime.output_dir)
-        checkpoint = sources.resolve(config.model.checkpoint, config.model.preset, config.runtime.resolved_cache_dir)
+        checkpoint = sources.resolve(
+            config.model.checkpoint, config.model.preset, config.runtime.resolved_cache_dir
+        )
         # Refused here, before the data is tokenized and the weights loaded.
         devices = attached_accelerator(list(device_mesh.devices.flat))
         memory_plan = (require_fits if config.runtime.check_memory else estimate)(config, devices)
@@ -136,10 +140,16 @@ class Experiment:
         schedule = optimization.learning_rate_schedule(peak_lr, data.total_steps,
                                                        warmup_ratio=config.optimizer.warmup_ratio,
                                                        min_lr_ratio=config.optimizer.min_lr_ratio)
-        optimizer = optimization.make_optimizer(schedule, weight_decay=config.optimizer.weight_decay,
-                                                b1=config.optimizer.adam_b1, b2=config.optimizer.adam_b2,
-                                                max_grad_norm=config.optimizer.max_grad_norm)
-        saved = checkpoints.TrainCheckpoints(config.runtime.output_dir, keep=config.checkpoints.keep)
+        optimizer = optimization.make_optimizer(
+            schedule,
+            weight_decay=config.optimizer.weight_decay,
+            b1=config.optimizer.adam_b1,
+            b2=config.optimizer.adam_b2,
+            max_grad_norm=config.optimizer.max_grad_norm,
+        )
+        saved = checkpoints.TrainCheckpoints(
+            config.runtime.output_dir, keep=config.checkpoints.keep
+        )
         checkpoints.require_steps_ahead(saved, data.total_steps, config)
         weights = restore_or_init(config, base_model, optimizer, device_mesh, checkpoint, saved,
                                   data.train_iterator, previous=previous,
@@ -280,14 +290,19 @@ class Experiment:
         start_step = weights.start_step
         sink = metrics.MetricsSink(cfg.runtime.output_dir, enabled=self.is_main_process,
                                    resume_step=start_step or None, tensorboard=self.tensorboard)
-        log = metrics.StepLog(sink, total_steps=self.total_steps, start_step=start_step,
-                              steps_per_epoch=self.steps_per_epoch,
-                              tokens_per_step=cfg.trainer.batch_size * cfg.data.maxlen,
-                              log_every=cfg.metrics.log_every, show=progress and self.is_main_process,
-                              nonfinite=self._diverged,
-                              flops_per_step=self.flops.model_flops_per_step,
-                              peak_flops_per_s=self.flops.peak_flops_per_s,
-                              host_peak_flops_per_s=self.flops.host_peak_flops_per_s)
+        log = metrics.StepLog(
+            sink,
+            total_steps=self.total_steps,
+            start_step=start_step,
+            steps_per_epoch=self.steps_per_epoch,
+            tokens_per_step=cfg.trainer.batch_size * cfg.data.maxlen,
+            log_every=cfg.metrics.log_every,
+            show=progress and self.is_main_process,
+            nonfinite=self._diverged,
+            flops_per_step=self.flops.model_flops_per_step,
+            peak_flops_per_s=self.flops.peak_flops_per_s,
+            host_peak_flops_per_s=self.flops.host_peak_flops_per_s,
+        )
         self.history, self.eval_history = log.history, log.eval_history
         train_step = self.compile()  # now, before the clock of the first step starts
         # Decided by the step, not by file contents: every process must take the same branch

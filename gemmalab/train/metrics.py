@@ -96,8 +96,8 @@ class StepLog:
     A step's metrics are read one step late (``step`` settles the previous one while the new one
     runs), so the device never waits for the host; a ``durable`` step (one a checkpoint is
     about to claim) is read and flushed at once, and an evaluation or ``close`` reads the last
-    one first, so the rows stay in step order. ``nonfinite`` builds the error raised for a non-finite loss or
-    gradient norm in a step that was not skipped.
+    one first, so the rows stay in step order. ``nonfinite`` builds the error raised for a
+    non-finite loss or gradient norm in a step that was not skipped.
 
     Each step's record carries its wall-clock ``time``, and with ``flops_per_step`` (the model's
     FLOPs) the achieved ``model_flops_per_s``; with the devices' ``peak_flops_per_s`` its MFU,

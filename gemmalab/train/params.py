@@ -183,11 +183,14 @@ def _require_same_frozen_weights(stored: dict[str, Any], frozen_digest: dict[str
     if before is None or before == now:
         return
     role = "LoRA base" if config.lora.rank else "DPO reference"
-    raise ConfigError("checkpoint", f"{checkpoint.name or 'the random init'} now holds other "
-                      f"weights than when the run in {config.runtime.output_dir} started (its {role}, "
-                      f"not checkpointed, digest {now} against {before})",
-                      "put the original weights back at that path, or use a new output_dir to "
-                      "start over from these")
+    raise ConfigError(
+        "checkpoint",
+        f"{checkpoint.name or 'the random init'} now holds other "
+        f"weights than when the run in {config.runtime.output_dir} started (its {role}, "
+        f"not checkpointed, digest {now} against {before})",
+        "put the original weights back at that path, or use a new output_dir to "
+        "start over from these",
+    )
 
 
 def trained_token_ids(config: TrainConfig, info: Any, *, chat: bool) -> tuple[int, ...]:
@@ -255,10 +258,14 @@ def initial_params(model: Any, checkpoint: sources.ResolvedCheckpoint, config: T
     (``expected``: the params' abstract tree)."""
     shardings = sharding.param_sharding(expected, device_mesh)
     if not checkpoint.path:
-        return presets.init_params(model, seed=config.trainer.seed, sample_length=config.data.maxlen,
-                                   shardings=shardings)
-    mismatch = ConfigError("checkpoint", f"{checkpoint.name} does not match {config.model.preset}'s "
-                           "parameter shapes", "pick the checkpoint made for this model")
+        return presets.init_params(
+            model, seed=config.trainer.seed, sample_length=config.data.maxlen, shardings=shardings
+        )
+    mismatch = ConfigError(
+        "checkpoint",
+        f"{checkpoint.name} does not match {config.model.preset}'s parameter shapes",
+        "pick the checkpoint made for this model",
+    )
     target = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, param_dtype,
                                                                    sharding=where),
                           expected, shardings)

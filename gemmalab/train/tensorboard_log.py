@@ -3,7 +3,8 @@
 ``TensorBoardLog`` writes what ``MetricsSink`` records (every number of a ``metrics.jsonl`` row
 under ``train/`` or ``perf/``, every ``eval.jsonl`` figure under ``eval/``), the samples the
 notebook takes before and after training as text, and the config as the hparams plugin's
-hyperparameters. Only the main process writes one (``Experiment.tensorboard``, opened by ``Experiment.prepare``).
+hyperparameters. Only the main process writes one (``Experiment.tensorboard``, opened by
+``Experiment.prepare``).
 
 The writer is tensorboard's own TF-free summary layer: the plugins' ``*_pb`` summary protos and
 its ``RecordWriter`` framing, over a file opened through etils.epath, the file layer behind

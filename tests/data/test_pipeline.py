@@ -525,6 +525,7 @@ def test_data_that_holds_nothing_out_is_refused_before_any_model_work(tmp_path, 
     """Every evaluation would read NaN for the whole run (400 stories, one in 1,000 held out)."""
     from gemmalab.config import TrainConfig
     from gemmalab.data.preparation import prepare_data
+    from gemmalab.weights import resolution
 
     config = TrainConfig.flat(model="gemma3-tiny", data_path=str(stories_file), eval_fraction=0.001,
                          tokenizer_vocab_size=600, cache_dir=str(cache_dir), tokenize_workers=1,
@@ -532,12 +533,13 @@ def test_data_that_holds_nothing_out_is_refused_before_any_model_work(tmp_path, 
     with pytest.raises(ConfigError, match=r"^eval_fraction: holds out none of the 400 documents "
                        r"read \(one in 1000 is held out\)\. Fix: use eval_fraction >= 0\.0025, "
                        r"or more data$"):
-        prepare_data(config)
+        prepare_data(resolution.resolve(config).config)
 
 
 def test_a_cache_dir_that_cannot_be_written_is_refused_by_name(tmp_path):
     from gemmalab.config import TrainConfig
     from gemmalab.data.preparation import prepare_data
+    from gemmalab.weights import resolution
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -545,4 +547,4 @@ def test_a_cache_dir_that_cannot_be_written_is_refused_by_name(tmp_path):
                          output_dir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"^cache_dir: cannot write to .*a-file/cache "
                        r"\((FileExistsError|NotADirectoryError): .*\)\. Fix: choose a directory"):
-        prepare_data(config)
+        prepare_data(resolution.resolve(config).config)

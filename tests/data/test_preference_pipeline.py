@@ -12,6 +12,7 @@ from gemmalab.config import EMBEDDED_PREFERENCES, TrainConfig
 from gemmalab.data import chat, documents, packing, preference_corpus, records, token_cache
 from gemmalab.data.tokenizer import TokenizerInfo, train_local_tokenizer
 from gemmalab.errors import ConfigError
+from gemmalab.weights import resolution
 
 RULE = documents.SplitRule(0.1, 100)
 
@@ -58,7 +59,7 @@ def test_bad_preference_settings_are_one_line_errors_naming_the_parameter(values
 
 
 def test_dpo_defaults_to_the_embedded_preference_set():
-    config = TrainConfig.flat(objective="dpo")
+    config = resolution.resolve(TrainConfig.flat(objective="dpo")).config
     assert config.data.path == EMBEDDED_PREFERENCES and config.dpo.beta == 0.1
 
 

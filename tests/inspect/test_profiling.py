@@ -17,9 +17,10 @@ def a_run(output_dir):
         state = state + jnp.sum(batch)
         return state, {"loss": state}
 
-    return SimpleNamespace(config=SimpleNamespace(output_dir=str(output_dir)),
-                           weights=SimpleNamespace(state=jnp.zeros(()), held=None),
-                           train_step=train_step, next_batch=lambda: jnp.ones(4))
+    return SimpleNamespace(config=SimpleNamespace(runtime=SimpleNamespace(
+                               output_dir=str(output_dir))),
+                           weights=SimpleNamespace(state=jnp.zeros(()), frozen=None),
+                           compile=lambda: train_step, next_batch=lambda: jnp.ones(4))
 
 
 def test_a_capture_goes_beside_the_runs_tensorboard_curves_unless_told(tmp_path):
