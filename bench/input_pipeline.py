@@ -140,8 +140,10 @@ def main() -> None:
     flags.FLAGS.mark_as_parsed()  # grain's worker processes read absl flags
     from gemmalab.config import TrainConfig
     from gemmalab.data.preparation import prepare_data
+    from gemmalab.weights import resolution
 
-    config = TrainConfig.flat(cache_dir=args.cache_dir, maxlen=args.maxlen)
+    config = resolution.resolve(TrainConfig.flat(cache_dir=args.cache_dir,
+                                                 maxlen=args.maxlen)).config
     prepared = prepare_data(config)
     split = prepared.cache.train
     rule = documents.SplitRule(config.data.eval_fraction, config.data.max_eval_stories)

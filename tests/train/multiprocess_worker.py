@@ -95,6 +95,7 @@ def data_across_processes(data_path: str, work_dir: str) -> None:
 
     from gemmalab.config import TrainConfig
     from gemmalab.data import parquet, preparation, token_cache
+    from gemmalab.weights import resolution
 
     rows_read, building = [], [False]
     real_rows, real_build = parquet.iter_rows, token_cache._build_token_cache
@@ -113,17 +114,10 @@ def data_across_processes(data_path: str, work_dir: str) -> None:
             building[0] = False
 
     parquet.iter_rows, token_cache._build_token_cache = logged_rows, logged_build
-    config = TrainConfig.flat(
-        data_path=data_path,
-        cache_dir=f"{work_dir}/cache{jax.process_index()}",
-        batch_size=8,
-        maxlen=64,
-        tokenizer_vocab_size=600,
-        tokenize_workers=1,
-        seed=5,
-        eval_fraction=0.1,
-        max_eval_stories=3,
-    )
+    config = resolution.resolve(TrainConfig.flat(
+        data_path=data_path, cache_dir=f"{work_dir}/cache{jax.process_index()}", batch_size=8,
+        maxlen=64, tokenizer_vocab_size=600, tokenize_workers=1, seed=5, eval_fraction=0.1,
+        max_eval_stories=3)).config
     prepared = preparation.prepare_data(config)
     data = preparation.training_data(config, prepared)
     for _ in range(2):
