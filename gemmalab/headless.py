@@ -25,14 +25,13 @@ kernel; ones already set win.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
 import sys
 
 from gemmalab import allocator
-from gemmalab.config import TrainConfig
+from gemmalab.config import FLAT_NAMES
 from gemmalab.errors import ConfigError
 
 UNKNOWN_PARAMETER = "Passed unknown parameter: "  # papermill's warning (papermill.execute)
@@ -41,7 +40,7 @@ UNKNOWN_PARAMETER = "Passed unknown parameter: "  # papermill's warning (papermi
 class TrainingFieldsAreKnown(logging.Filter):
     """Drops papermill's unknown-parameter warning for ``TrainConfig`` fields only."""
 
-    fields = frozenset(field.name for field in dataclasses.fields(TrainConfig))
+    fields = frozenset(FLAT_NAMES)
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()

@@ -123,8 +123,8 @@ def test_lab_serves_the_notebooks_and_runs_them_in_the_project_kernel(lab):
                      "    {'recipe': recipe})).config\n"
                      "print(config.model.preset, config.model.tokenizer,\n"
                      "      sys.version_info[:2] == (3, 12))")
-    # The embedded pretrained base: its preset and its own (Gemma 3) vocabulary.
-    assert output.split() == ["gemma3-270m", "gemma3", "True"]
+    # The notebook's default recipe ("": TrainConfig's): the tiny preset, its corpus's tokenizer.
+    assert output.split() == ["gemma3-tiny", "local", "True"]
 
 
 @pytest.mark.slow

@@ -132,10 +132,10 @@ def test_deliberate_regressions_fail_naming_the_cell_and_the_number(tmp_path):
         # (one run directory would be resumed by the second mutant, not trained again).
         (tmp_path / name).mkdir()
         nbformat.write(notebook, tmp_path / name / f"{name}.ipynb")
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}  # with the suite's XLA_FLAGS (conftest)
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}  # with the suite's XLA_FLAGS (conftest)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-         "notebook_regression", "--nbval-tolerant", "--nbval-sanitize-with",
+         "tests.notebook_regression", "--nbval-tolerant", "--nbval-sanitize-with",
          str(COPIES / "sanitize.cfg"), "-o", "addopts=", "--rootdir", str(tmp_path),
          str(tmp_path)],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)

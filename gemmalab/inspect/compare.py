@@ -119,10 +119,11 @@ def base_params(run: Run, checkpoint: str = "run", *, origin: TrainConfig | None
     the config of the run that started from them (default ``run``'s): its ``checkpoint`` for
     ``"run"``, and its ``seed`` draws a random init."""
     origin = origin or run.config
-    spec = origin.checkpoint if checkpoint == "run" else checkpoint
+    spec = origin.model.checkpoint if checkpoint == "run" else checkpoint
     resolved = sources.resolve(spec, run.config.model.preset, run.config.runtime.resolved_cache_dir)
     if not resolved.path:
-        params = presets.init_params(run.model, seed=origin.seed, sample_length=origin.maxlen)
+        params = presets.init_params(run.model, seed=origin.trainer.seed,
+                                     sample_length=origin.data.maxlen)
         return Contender("base (random init)", params)
     target = abstract_params(run.model.config, run.config.model.param_dtype)
     params = sources.load(
@@ -137,7 +138,7 @@ def lineage(run: Run, base_checkpoint: str = "run") -> list[Contender]:
     another run's ``output_dir/params``, e.g. DPO after SFT), every stage: the first run's base,
     then each run in order, named by its objective (base vs SFT vs DPO)."""
     chain = [(run.output_dir, run.config)]
-    while (parent := _parent_run(chain[-1][1].checkpoint)) is not None and len(chain) < 8:
+    while (parent := _parent_run(chain[-1][1].model.checkpoint)) is not None and len(chain) < 8:
         chain.append(parent)
     if base_checkpoint != "run" or len(chain) == 1:
         return [base_params(run, base_checkpoint), finetuned_params(run)]

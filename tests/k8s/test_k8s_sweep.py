@@ -195,7 +195,7 @@ def test_a_real_tiny_sweep_here_then_its_table_and_its_runs_side_by_side(tmp_pat
     assert list(table["learning_rate"]) == [1e-3, 3e-3] and list(table["steps"]) == [3, 3]
     assert list(table["status"]) == ["done", "done"]
     runs = compare.load_runs(str(tmp_path / "tiny"))
-    assert [r.config.learning_rate for r in runs] == [1e-3, 3e-3]
+    assert [r.config.optimizer.learning_rate for r in runs] == [1e-3, 3e-3]
     contenders = compare.contenders_of(runs)
     assert [c.name for c in contenders] == ["base (random init)", "tiny-0-lr1e-3",
                                             "tiny-1-lr3e-3"]

@@ -284,7 +284,7 @@ def test_a_killed_dpo_run_resumes_exactly_with_its_reference_read_again(tmp_path
     assert first.checkpoints.steps() == [3]
     again = Experiment.prepare(config("crashed"))
     assert again.weights.start_step == 3
-    for a, b in zip(jax.tree.leaves(again.weights.reference), jax.tree.leaves(start),
+    for a, b in zip(jax.tree.leaves(again.weights.frozen), jax.tree.leaves(start),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
     again.train(progress=False)
