@@ -394,7 +394,8 @@ class RuntimeConfig(_Group):
     num_slices: int = 1  # TPU slices (multislice): the data axis spans them, the rest stays inside
     # Refuse, before loading weights, a run whose memory plan (gemmalab.plan) exceeds the devices.
     check_memory: bool = True
-    output_dir: str = "runs/latest"
+    # The training notebook's default run: sample_compare.ipynb and export.ipynb read it by default.
+    output_dir: str = "runs/train"
     cache_dir: str = ""  # "" = default_cache_dir().
 
     def validate(self) -> None:

@@ -4,7 +4,8 @@ notebook ask for by name (``recipe = "demo"``, ``-p recipe tiny``, ``params={"re
 
 ``TrainConfig()`` itself, with no recipe, trains the tiny preset (gemma3-tiny, 1.7M parameters)
 from random init with a tokenizer trained on the embedded stories, one epoch of 12,000 stories
-at 16 x 256: the ``tiny`` recipe, which adds nothing.
+at 16 x 256: the ``tiny`` recipe, which adds nothing. Where a run writes is the caller's
+(``output_dir``: the Makefile's DEMO_DIR, a Kubernetes job's bucket), not a recipe's.
 """
 
 from __future__ import annotations
@@ -28,12 +29,9 @@ RECIPES: dict[str, dict[str, Any]] = {
         "embedded_stories": 2000,
         "max_eval_stories": 16,
         "eval_every": 8,
-        "output_dir": "runs/demo",
     },
     # TrainConfig's defaults: the tiny preset from random init (`make demo-tiny`, the tests).
-    "tiny": {
-        "output_dir": "runs/demo-tiny",
-    },
+    "tiny": {},
     # The tutorial's setup on a TPU host: full fine-tuning of Gemma 3 270M from its pretrained
     # checkpoint with the Gemma 3 tokenizer, TinyStories from the data bucket, batch 128, 96,000
     # stories (what k8s/*.yaml's standard cases run).

@@ -215,7 +215,7 @@ class ClusterConfig:
                 f"shorten job_name by {len(pod) - MAX_NAME} characters")
 
     def _check_params(self) -> None:
-        resolved, defaults = check_notebook_params(self.params, self.notebook)
+        resolved, _ = check_notebook_params(self.params, self.notebook)
         object.__setattr__(self, "params", types.MappingProxyType(dict(self.params)))
         batch = resolved.trainer.batch_size  # given, the recipe's, or the model's
         accum = resolved.trainer.grad_accum_steps

@@ -79,11 +79,6 @@ def resolve(config: TrainConfig) -> Resolved:
     return Resolved(decided, decisions)
 
 
-def resolved(config: TrainConfig) -> TrainConfig:
-    """``config`` with everything it leaves open decided (``resolve(config).config``)."""
-    return resolve(config).config
-
-
 def _model_of_checkpoint(checkpoint: str, run: dict[str, Any] | None) -> tuple[str, str]:
     """The preset a checkpoint names by itself (an embedded base, GEMMA3_270M_PT -> gemma3-270m,
     a gemmalab run's params: the model that run trained); DEFAULT_MODEL for random init. Other
