@@ -63,7 +63,7 @@ def measure(case: Case, *, steps: int, vocab: int) -> dict[str, Any]:
                          lora_rank=case.lora_rank, tokenizer_vocab_size=vocab,
                          tokenizer="local" if case.model == "gemma3-tiny" else "gemma3")
     device_mesh = mesh.make_mesh()
-    model_config = presets.model_config(case.model, plan.vocab_size_hint(config))
+    model_config = presets.model_config(case.model, plan.vocab_size_hint(config.model))
     base_model = presets.build_model(model_config, param_dtype=jnp.float32,
                                      attention=config.model.attention, mesh=device_mesh)
     schedule = optimization.learning_rate_schedule(1e-5, 1000, warmup_ratio=0.0, min_lr_ratio=1.0)
@@ -96,7 +96,8 @@ def measure(case: Case, *, steps: int, vocab: int) -> dict[str, Any]:
         state, metrics = compiled(state, batch, frozen)
     jax.block_until_ready(metrics)
     seconds = (time.perf_counter() - started) / steps
-    flops = plan.model_flops(model_config, num_params, config, adapters=adapters)
+    flops = plan.model_flops(model_config, num_params, batch_size=case.batch_size,
+                             maxlen=case.maxlen, lora=config.lora.enabled, adapters=adapters)
     devices = plan.attached_accelerator()
     peak = devices.peak_flops * devices.chips if devices.peak_flops else None
     peak_bytes = plan.peak_device_bytes()

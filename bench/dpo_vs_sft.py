@@ -82,8 +82,10 @@ def main() -> None:
             states[name], metrics = compiled(states[name], batch, held)
             planned = plan.estimate(configs[name], devices)
             flops = plan.model_flops(experiment.prepared.model_config,
-                                     weights.num_params - adapters, configs[name],
-                                     adapters=adapters)
+                                     weights.num_params - adapters,
+                                     batch_size=config.trainer.batch_size,
+                                     maxlen=config.data.maxlen, lora=config.lora.enabled,
+                                     dpo=name == "dpo", adapters=adapters)
             print(f"{name}: loss {float(metrics['loss']):.4f}, useful tokens "
                   f"{int(metrics['useful_tokens'])}, model {flops / 1e12:.3f} TFLOP; compiled: "
                   f"arguments {mib(memory.argument_size_in_bytes)}, temporaries "

@@ -6,13 +6,14 @@ the step counts every process agrees on.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
 from gemmalab import storage
-from gemmalab.config import TrainConfig
+from gemmalab.config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
 from gemmalab.data import documents, grain_batches, packing, token_cache
 from gemmalab.data import tokenizer as tokenizers
 from gemmalab.data.documents import PREFERENCES, Corpus, SplitRule
@@ -55,7 +56,9 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     )
     rule = SplitRule(config.data.eval_fraction, config.data.max_eval_stories,
                      jax.process_index(), jax.process_count())
-    tokenizer, info = _load_tokenizer_everywhere(config, corpus, rule)
+    tokenizer, info = _load_tokenizer_everywhere(config.model, corpus, rule,
+                                                 datacount=config.data.datacount,
+                                                 cache_dir=cache_dir)
     model_config = presets.model_config(
         config.model.preset, info.vocab_size, config.model.num_layers
     )
@@ -81,24 +84,25 @@ def _require_held_out_documents(meta: dict, rule: SplitRule) -> None:
                           f"use eval_fraction >= {1 / max(read, 2):.3g}, or more data")
 
 
-def _load_tokenizer_everywhere(config: TrainConfig, corpus: Corpus, rule: SplitRule
-                               ) -> tuple[Any, Any]:
-    """Load (or train, on process 0 only, then share) the tokenizer."""
+def _load_tokenizer_everywhere(model: ModelConfig, corpus: Corpus, rule: SplitRule, *,
+                               datacount: int | None, cache_dir: Path) -> tuple[Any, Any]:
+    """Load ``model.tokenizer`` (or train the local one on the first ``datacount`` training
+    documents, on process 0 only, then share it)."""
     def load(stories_allowed: bool):
         stories = (
-            documents.training_stories(corpus.path, rule, config.data.datacount, corpus.format)
+            documents.training_stories(corpus.path, rule, datacount, corpus.format)
             if stories_allowed
             else None
         )
         return tokenizers.load_tokenizer(
-            config.model.tokenizer,
-            cache_dir=config.runtime.resolved_cache_dir,
+            model.tokenizer,
+            cache_dir=cache_dir,
             training_stories=stories,
-            vocab_size=config.model.tokenizer_vocab_size,
+            vocab_size=model.tokenizer_vocab_size,
             corpus_fingerprint=corpus.fingerprint,
         )
 
-    if config.model.tokenizer != "local" or jax.process_count() == 1:
+    if model.tokenizer != "local" or jax.process_count() == 1:
         return load(True)
     # Several processes: one trains, the others receive the identical model over JAX's runtime.
     from jax.experimental import multihost_utils
@@ -107,8 +111,8 @@ def _load_tokenizer_everywhere(config: TrainConfig, corpus: Corpus, rule: SplitR
     size = int(multihost_utils.broadcast_one_to_all(np.int64(len(proto))))
     buffer = np.frombuffer(proto.ljust(size, b"\0"), np.uint8)
     proto = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer)))
-    path = tokenizers.local_tokenizer_path(config.runtime.resolved_cache_dir, corpus.fingerprint,
-                                           config.model.tokenizer_vocab_size)
+    path = tokenizers.local_tokenizer_path(cache_dir, corpus.fingerprint,
+                                           model.tokenizer_vocab_size)
     if jax.process_index() != 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(proto)
@@ -131,13 +135,15 @@ class TrainingData:
     max_segments: int = 0
 
 
-def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
-    """Windows, packing fill and step counts of the train split; its batches and the eval's."""
+def training_data(prepared: PreparedData, data: DataConfig, trainer: TrainerConfig
+                  ) -> TrainingData:
+    """Windows, packing fill and step counts of the train split (rows of ``data.maxlen``,
+    ``trainer``'s batch, seed and length); its batches and the eval's."""
     cache = prepared.cache
     if cache.train.group > 1:
-        _require_pairs_fit(cache, config.data.maxlen)
-    windows = WindowSource(cache.train, config.data.maxlen)
-    fill = packing.packed_fill(windows, seed=config.trainer.seed) if config.data.packing else 1.0
+        _require_pairs_fit(cache, data.maxlen)
+    windows = WindowSource(cache.train, data.maxlen)
+    fill = packing.packed_fill(windows, seed=trainer.seed) if data.packing else 1.0
     # Every process must count the same steps: totals and the mean fill of all shards.
     local = np.asarray([windows.num_targets, windows.num_units, round(fill * 1e6)], np.int64)
     if jax.process_count() > 1:
@@ -148,25 +154,25 @@ def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
     per_epoch = packing.steps_per_epoch(
         int(local[0]),
         int(local[1]),
-        batch_size=config.trainer.batch_size,
-        maxlen=config.data.maxlen,
-        packing=config.data.packing,
+        batch_size=trainer.batch_size,
+        maxlen=data.maxlen,
+        packing=data.packing,
         fill=float(local[2]) / 1e6,
     )
-    total_steps = (config.trainer.max_steps if config.trainer.max_steps is not None
-                   else per_epoch * config.trainer.num_epochs)
+    total_steps = (trainer.max_steps if trainer.max_steps is not None
+                   else per_epoch * trainer.num_epochs)
     iterator = grain_batches.train_batches(
         cache.train,
-        maxlen=config.data.maxlen,
-        packing=config.data.packing,
-        seed=config.trainer.seed,
-        rows_per_process=config.trainer.batch_size // jax.process_count(),
+        maxlen=data.maxlen,
+        packing=data.packing,
+        seed=trainer.seed,
+        rows_per_process=trainer.batch_size // jax.process_count(),
     )
     evals = packing.eval_batches(
         cache.eval,
-        maxlen=config.data.maxlen,
-        batch_size=config.trainer.batch_size,
-        packing=config.data.packing,
+        maxlen=data.maxlen,
+        batch_size=trainer.batch_size,
+        packing=data.packing,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
@@ -174,8 +180,7 @@ def training_data(config: TrainConfig, prepared: PreparedData) -> TrainingData:
              **data_stats(prepared.corpus, cache, windows), "packed_fill": round(fill, 4)}
     return TrainingData(train_iterator=iterator, eval_batches=evals, steps_per_epoch=per_epoch,
                         total_steps=total_steps, stats=stats,
-                        max_segments=_max_segments(windows, cache, config.data.maxlen,
-                                                   config.data.packing))
+                        max_segments=_max_segments(windows, cache, data.maxlen, data.packing))
 
 
 def _max_segments(windows: WindowSource, cache: TokenCache, maxlen: int, packing: bool) -> int:

@@ -201,7 +201,7 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
     data_ways = batch_ways(sizes)
     check_batch_split(config.trainer.batch_size, data_ways, config.trainer.grad_accum_steps,
                       where=f"mesh {sizes} on {accelerator.name}")
-    vocab = vocab_size_hint(config)
+    vocab = vocab_size_hint(config.model)
     model_config = presets.model_config(config.model.preset, vocab, config.model.num_layers)
     params = abstract_params(model_config, config.model.param_dtype)
     p_size = np.dtype(config.model.param_dtype).itemsize
@@ -223,7 +223,8 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
     num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
     # Without LoRA every weight trains; with it the adapters (replicated) train and the base
     # weights are held once, frozen, in the compute dtype.
-    adapters = sum(leaf.size for leaf in jax.tree.leaves(adapter_params(model_config, config)))
+    adapters = sum(leaf.size for leaf in jax.tree.leaves(adapter_params(model_config, config.lora,
+                                                                     config.model.param_dtype)))
     trained = adapters if config.lora.rank else sum(shards.values())
     base_size = c_size if config.lora.rank else p_size
     weights = trained * p_size
@@ -262,7 +263,9 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
         grad_accum_steps=config.trainer.grad_accum_steps, remat=config.model.remat,
         param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
         breakdown=breakdown,
-        flops_per_step=model_flops(model_config, num_params, config, adapters=adapters),
+        flops_per_step=model_flops(model_config, num_params, batch_size=config.trainer.batch_size,
+                                   maxlen=config.data.maxlen, lora=config.lora.enabled,
+                                   dpo=dpo, adapters=adapters),
         num_params=num_params + adapters, lora_rank=config.lora.rank,
         trainable_params=adapters if config.lora.rank else num_params,
         traffic=traffic_bytes(model_config, config, sizes, accelerator, shards=shards,

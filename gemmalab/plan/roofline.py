@@ -95,24 +95,22 @@ def run_steps(config: TrainConfig) -> int | None:
     return config.trainer.num_epochs * math.ceil(config.data.datacount / config.trainer.batch_size)
 
 
-def model_flops(model_config: Any, num_params: int, config: TrainConfig, *,
-                adapters: int = 0) -> float:
-    """Training FLOPs of one step: 6 per weight per token (the tied embedding counted once, as
-    the output projection) plus attention's score and value products (4 per head dimension and
-    position of the sequence a token and layer forward, 12 with the backward pass); remat's
-    recompute is not counted (these are the FLOPs MFU is measured against). With LoRA a frozen
-    weight costs 4 (forward, and the gradient through it; none for itself) and each adapter
-    weight 6.
+def model_flops(model_config: Any, num_params: int, *, batch_size: int, maxlen: int,
+                lora: bool = False, dpo: bool = False, adapters: int = 0) -> float:
+    """Training FLOPs of one step of ``batch_size`` rows of ``maxlen``: 6 per weight per token
+    (the tied embedding counted once, as the output projection) plus attention's score and
+    value products (4 per head dimension and position of the sequence a token and layer
+    forward, 12 with the backward pass); remat's recompute is not counted (these are the FLOPs
+    MFU is measured against). With ``lora`` a frozen weight costs 4 (forward, and the gradient
+    through it; none for itself) and each of the ``adapters`` weights 6.
 
-    DPO (``config.trainer.objective == "dpo"``) adds the reference model's forward pass: 2
-    more per base
-    weight (``num_params``: 8 in full fine-tuning, 6 with LoRA; the reference runs no adapters)
-    and attention's forward products (16 instead of 12)."""
-    tokens = config.trainer.batch_size * config.data.maxlen
-    dpo = config.trainer.objective == "dpo"
+    ``dpo`` adds the reference model's forward pass: 2 more per base weight (``num_params``: 8
+    in full fine-tuning, 6 with LoRA; the reference runs no adapters) and attention's forward
+    products (16 instead of 12)."""
+    tokens = batch_size * maxlen
     attention = ((16 if dpo else 12) * model_config.num_layers * model_config.num_heads
-                 * model_config.head_dim * config.data.maxlen)
-    per_weight = (4 if config.lora.rank else 6) + (2 if dpo else 0)
+                 * model_config.head_dim * maxlen)
+    per_weight = (4 if lora else 6) + (2 if dpo else 0)
     return float(tokens * (per_weight * num_params + 6 * adapters + attention))
 
 

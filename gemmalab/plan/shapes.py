@@ -8,7 +8,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from gemmalab.config import TrainConfig
+from gemmalab.config import LoRAConfig, ModelConfig
 
 BATCH_FIELD_COUNT = 5  # int32 rows per batch: gemmalab.data.packing.FIELDS
 GEMMA3_VOCAB = 262_144
@@ -17,15 +17,15 @@ GEMMA3_VOCAB = 262_144
 PAIR_MIN_TARGETS = 18
 
 
-def vocab_size_hint(config: TrainConfig) -> int:
+def vocab_size_hint(model: ModelConfig) -> int:
     """The embedding rows the run will have, known before the tokenizer is loaded."""
-    if config.model.preset == "gemma3-tiny" and config.model.tokenizer == "local":
-        return config.model.tokenizer_vocab_size
-    if (config.model.preset == "gemma3-tiny" and config.model.tokenizer.endswith(".model")
-            and Path(config.model.tokenizer).is_file()):  # e.g. the local one a continued run saved
+    if model.preset == "gemma3-tiny" and model.tokenizer == "local":
+        return model.tokenizer_vocab_size
+    if (model.preset == "gemma3-tiny" and model.tokenizer.endswith(".model")
+            and Path(model.tokenizer).is_file()):  # e.g. the local one a continued run saved
         import sentencepiece as spm
 
-        return spm.SentencePieceProcessor(model_file=config.model.tokenizer).vocab_size()
+        return spm.SentencePieceProcessor(model_file=model.tokenizer).vocab_size()
     return GEMMA3_VOCAB  # Gemma's tokenizer; the largest a custom one may be for tiny
 
 
@@ -41,15 +41,16 @@ def abstract_params(model_config: Any, param_dtype: str) -> Any:
     return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 
-def adapter_params(model_config: Any, config: TrainConfig, token_rows: int = 0) -> Any:
+def adapter_params(model_config: Any, lora_config: LoRAConfig, param_dtype: str,
+                   token_rows: int = 0) -> Any:
     """A LoRA run's trainable tree (its adapters and ``token_rows`` embedding rows), abstract;
     ``{}`` without LoRA."""
-    if not config.lora.rank:
+    if not lora_config.enabled:
         return {}
     from gemmalab.model import lora
 
-    return lora.abstract_adapters(model_config, rank=config.lora.rank,
-                                  modules=config.lora.modules, dtype=config.model.param_dtype,
+    return lora.abstract_adapters(model_config, rank=lora_config.rank,
+                                  modules=lora_config.modules, dtype=param_dtype,
                                   token_rows=token_rows)
 
 

@@ -107,7 +107,7 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
         config.runtime.mesh, topology.devices, num_slices=config.runtime.num_slices
     )
     model_config = presets.model_config(
-        config.model.preset, vocab_size_hint(config), config.model.num_layers
+        config.model.preset, vocab_size_hint(config.model), config.model.num_layers
     )
     model = presets.build_model(
         model_config,
@@ -131,7 +131,7 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
     if config.lora.rank:  # the state: adapters; the base: a compute-dtype argument
         model = lora.wrap(model, rank=config.lora.rank, alpha=config.lora.alpha,
                           modules=config.lora.modules, dtype=jnp.dtype(config.model.param_dtype))
-        params = adapter_params(model_config, config)
+        params = adapter_params(model_config, config.lora, config.model.param_dtype)
     if dpo:
         preference_settings = optimization.Preference.of(
             config.dpo, base_model, preference_segments_bound(config.data.maxlen),

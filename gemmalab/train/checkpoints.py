@@ -41,6 +41,7 @@ class TrainCheckpoints:
     def __init__(self, output_dir: str, *, keep: int, async_save: bool = True):
         import orbax.checkpoint as ocp
 
+        self.output_dir = output_dir
         self.directory = f"{absolute_path(output_dir)}/{CHECKPOINTS_DIR}"
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
@@ -156,42 +157,43 @@ def require_writable_room(output_dir: str, needed_bytes: int) -> None:
                           "free disk space or choose output_dir on a larger disk (or gs://)")
 
 
-def require_steps_ahead(saved: TrainCheckpoints, total_steps: int, config: TrainConfig) -> None:
+def require_steps_ahead(saved: TrainCheckpoints, total_steps: int, *, resume: bool,
+                        by_max_steps: bool) -> None:
     """A resumed run must not be told to stop before where it already is: it would train no
-    step and save the further state under a smaller step's name."""
-    done = max(saved.steps(), default=0) if config.checkpoints.resume else 0
+    step and save the further state under a smaller step's name. ``by_max_steps``: the run's
+    length is ``max_steps`` (else ``num_epochs``), the parameter the error names."""
+    done = max(saved.steps(), default=0) if resume else 0
     if done > total_steps:
         raise ConfigError(
-            "max_steps" if config.trainer.max_steps else "num_epochs",
-            f"the run in {config.runtime.output_dir} has done {done} steps, more than "
+            "max_steps" if by_max_steps else "num_epochs",
+            f"the run in {saved.output_dir} has done {done} steps, more than "
             f"the {total_steps} this config trains",
             f"use max_steps >= {done} to continue it, or a new output_dir",
         )
 
 
 def resume_values(config: TrainConfig) -> dict[str, Any]:
-    """What a resumed run must match (``check_resumable``): the config and the process count."""
+    """The run's record beside its checkpoints, what a resumed run must match
+    (``check_resumable``): the config and the process count."""
     import jax
 
     return {**config.to_dict(), "processes": jax.process_count()}
 
 
-def previous_run(config: TrainConfig) -> dict[str, Any] | None:
-    """The checkpointed run in ``output_dir`` that this one continues, checked to match."""
-    stored = stored_config(config.runtime.output_dir)
-    if stored is not None and not config.checkpoints.resume:
+def previous_run(output_dir: str, *, resume: bool, values: dict[str, Any]
+                 ) -> dict[str, Any] | None:
+    """The record of the checkpointed run in ``output_dir`` that this one continues, checked
+    to match this run's ``values`` (``resume_values``); None for a new run."""
+    stored = stored_config(output_dir)
+    if stored is not None and not resume:
         raise ConfigError(
             "resume",
-            f"{config.runtime.output_dir} holds the checkpoints of an earlier run",
+            f"{output_dir} holds the checkpoints of an earlier run",
             "use resume=True to continue it, or a new output_dir",
         )
-    if (
-        stored is None
-        and not config.checkpoints.resume
-        and not is_empty_dir(config.runtime.output_dir)
-    ):
-        raise ConfigError("resume", f"resume=False but {config.runtime.output_dir} is not empty",
+    if stored is None and not resume and not is_empty_dir(output_dir):
+        raise ConfigError("resume", f"resume=False but {output_dir} is not empty",
                           "use a new or empty output_dir")
     if stored is not None:
-        check_resumable(resume_values(config), stored, config.runtime.output_dir)
+        check_resumable(values, stored, output_dir)
     return stored

@@ -38,6 +38,7 @@ from gemmalab.errors import ConfigError, TrainingDiverged
 from gemmalab.model import lora, mesh, presets, sampling
 from gemmalab.plan.fit import require_fits
 from gemmalab.plan.memory import MemoryPlan, estimate
+from gemmalab.plan.roofline import model_flops
 from gemmalab.train import (
     checkpoints,
     compile_cache,
@@ -46,7 +47,13 @@ from gemmalab.train import (
     optimization,
     tensorboard_log,
 )
-from gemmalab.train.params import TrainWeights, restore_or_init, trained_token_ids
+from gemmalab.train.params import (
+    StartingWeights,
+    TrainWeights,
+    record_frozen_weights,
+    restore_or_init,
+    trained_token_ids,
+)
 from gemmalab.train.preemption import Preempted, StopRequest
 from gemmalab.weights import orbax_params, resolution, sources
 from gemmalab.weights.export import TOKENIZER_FILE
@@ -109,7 +116,10 @@ class Experiment:
         # Refused here, before the data is tokenized and the weights loaded.
         devices = attached_accelerator(list(device_mesh.devices.flat))
         memory_plan = (require_fits if config.runtime.check_memory else estimate)(config, devices)
-        previous = checkpoints.previous_run(config)
+        # The run's record beside its checkpoints; a resumed run's must match it.
+        record = checkpoints.resume_values(config)
+        previous = checkpoints.previous_run(config.runtime.output_dir,
+                                            resume=config.checkpoints.resume, values=record)
         # One checkpoint (trained weights and AdamW's two moments) and the final params.
         state_bytes = ((3 * memory_plan.trainable_params + memory_plan.num_params)
                        * jnp.dtype(config.model.param_dtype).itemsize)
@@ -123,15 +133,16 @@ class Experiment:
         startup.phase("host_peak")
 
         prepared = prepare_data(config)
-        data = training_data(config, prepared)
+        data = training_data(prepared, config.data, config.trainer)
         startup.phase("data")
 
         param_dtype = jnp.dtype(config.model.param_dtype)
         base_model = presets.build_model(prepared.model_config, param_dtype=param_dtype,
                                          remat=config.model.remat, attention=config.model.attention,
                                          mesh=device_mesh)
-        token_ids = trained_token_ids(config, prepared.tokenizer_info,
-                                      chat=prepared.corpus.conversational)
+        token_ids = trained_token_ids(config.lora, prepared.tokenizer_info,
+                                      chat=prepared.corpus.conversational,
+                                      pretrained=bool(config.model.checkpoint))
         model = (lora.wrap(base_model, rank=config.lora.rank, alpha=config.lora.alpha,
                            modules=config.lora.modules, dtype=param_dtype, token_ids=token_ids)
                  if config.lora.rank else base_model)
@@ -150,17 +161,28 @@ class Experiment:
         saved = checkpoints.TrainCheckpoints(
             config.runtime.output_dir, keep=config.checkpoints.keep
         )
-        checkpoints.require_steps_ahead(saved, data.total_steps, config)
-        weights = restore_or_init(config, base_model, optimizer, device_mesh, checkpoint, saved,
-                                  data.train_iterator, previous=previous,
+        checkpoints.require_steps_ahead(saved, data.total_steps,
+                                        resume=config.checkpoints.resume,
+                                        by_max_steps=config.trainer.max_steps is not None)
+        dpo = config.trainer.objective == "dpo"
+        starting = StartingWeights(base_model, checkpoint, preset=config.model.preset,
+                                   seed=config.trainer.seed, sample_length=config.data.maxlen)
+        weights = restore_or_init(starting, config.lora, optimizer, device_mesh, saved,
+                                  data.train_iterator, param_dtype=config.model.param_dtype,
+                                  compute_dtype=config.model.compute_dtype,
+                                  resume=previous is not None, keep_frozen=dpo,
                                   token_rows=len(token_ids))
+        record_frozen_weights(weights, output_dir=config.runtime.output_dir, values=record,
+                              previous=previous, checkpoint_name=checkpoint.name)
         jax.block_until_ready((weights.state, weights.frozen))
         startup.phase("model")
 
-        flops = metrics.FlopAccounting.of_run(config, prepared.model_config,
-                                              num_params=weights.num_params,
-                                              adapters=weights.adapter_params,
-                                              devices=devices, host_peak_flops_per_s=host_rate)
+        adapters = weights.adapter_params
+        flops = metrics.FlopAccounting.of_run(
+            model_flops(prepared.model_config, weights.num_params - adapters,
+                        batch_size=config.trainer.batch_size, maxlen=config.data.maxlen,
+                        lora=config.lora.enabled, dpo=dpo, adapters=adapters),
+            devices, host_peak_flops_per_s=host_rate)
         preference = _preference(config, base_model, data)
         eval_step = optimization.make_eval_step(model, jnp.dtype(config.model.compute_dtype),
                                                 device_mesh, weights.state_shardings.params,

@@ -248,18 +248,13 @@ class FlopAccounting:
     host_peak_flops_per_s: float | None = None
 
     @classmethod
-    def of_run(cls, config: Any, model_config: Any, *, num_params: int, adapters: int,
-               devices: Any, host_peak_flops_per_s: float | None = None) -> FlopAccounting:
-        """``num_params``: every weight (not full fine-tuning DPO's reference copy: the config's
-        ``objective`` adds its forward pass, ``plan.model_flops``); ``adapters``: LoRA's share of
-        them (0 without); ``devices``: ``gemmalab.accelerators.Accelerator`` of the run's devices;
-        ``host_peak_flops_per_s``: on CPUs, ``host_peak.of_run``'s measured rate (the whole
-        host's, for every device)."""
-        from gemmalab.plan.roofline import model_flops
-
-        flops = model_flops(model_config, num_params - adapters, config, adapters=adapters)
+    def of_run(cls, model_flops_per_step: float, devices: Any, *,
+               host_peak_flops_per_s: float | None = None) -> FlopAccounting:
+        """``model_flops_per_step``: ``plan.model_flops`` of the run's step; ``devices``:
+        ``gemmalab.accelerators.Accelerator`` of the run's devices; ``host_peak_flops_per_s``:
+        on CPUs, ``host_peak.of_run``'s measured rate (the whole host's, for every device)."""
         peak = devices.peak_flops * devices.chips if devices.peak_flops else None
-        return cls(model_flops_per_step=flops, peak_flops_per_s=peak,
+        return cls(model_flops_per_step=model_flops_per_step, peak_flops_per_s=peak,
                    host_peak_flops_per_s=host_peak_flops_per_s)
 
     def record_compiled(self, compiled: Any) -> None:

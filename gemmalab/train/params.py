@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab.config import CHAT_TURN_TOKENS, TrainConfig
+from gemmalab.config import CHAT_TURN_TOKENS, LoRAConfig
 from gemmalab.data import tokenizer as tokenizers
 from gemmalab.errors import ConfigError
 from gemmalab.model import lora, presets, sharding
@@ -72,32 +72,99 @@ class TrainWeights:
                 "optimizer_bytes_per_device": sharding.shard_bytes(self.state.opt_state)}
 
 
-def restore_or_init(config: TrainConfig, base_model: Any, optimizer: Any, device_mesh: Any,
-                    checkpoint: sources.ResolvedCheckpoint, saved: checkpoints.TrainCheckpoints,
-                    iterator: Any, *, previous: dict[str, Any] | None,
+@dataclasses.dataclass(frozen=True)
+class StartingWeights:
+    """The weights a run starts from: ``checkpoint``'s (``preset``'s shapes), read straight into
+    their shards, or with none (``checkpoint.path`` empty) ``model``'s random init from ``seed``,
+    traced on rows of ``sample_length``."""
+
+    model: Any  # the base gemma model (LoRA's adapters are not part of it)
+    checkpoint: sources.ResolvedCheckpoint
+    preset: str
+    seed: int
+    sample_length: int
+
+    def read(self, dtype: Any, device_mesh: Any, expected: Any) -> Any:
+        """The weights in ``dtype``, created or read directly into their shards on
+        ``device_mesh`` (``expected``: the params' abstract tree)."""
+        shardings = sharding.param_sharding(expected, device_mesh)
+        if not self.checkpoint.path:
+            return presets.init_params(self.model, seed=self.seed,
+                                       sample_length=self.sample_length, shardings=shardings)
+        mismatch = ConfigError(
+            "checkpoint",
+            f"{self.checkpoint.name} does not match {self.preset}'s parameter shapes",
+            "pick the checkpoint made for this model",
+        )
+        target = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, dtype,
+                                                                       sharding=where),
+                              expected, shardings)
+        try:
+            loaded = sources.load(self.checkpoint, target,
+                                  text_only=presets.PRESETS[self.preset].multimodal,
+                                  progress=jax.process_index() == 0)
+        except (ValueError, KeyError) as error:  # the checkpoint's tree does not fit the model's
+            raise mismatch from error
+        if jax.tree.structure(loaded) != jax.tree.structure(expected) or any(
+                a.shape != b.shape for a, b in zip(jax.tree.leaves(loaded),
+                                                   jax.tree.leaves(expected), strict=True)):
+            raise mismatch
+        return jax.tree.map(lambda p: p.astype(dtype), loaded)
+
+    def frozen(self, param_dtype: str, compute_dtype: str, device_mesh: Any
+               ) -> tuple[Any, Any]:
+        """The starting weights in the compute dtype (LoRA's base, DPO's reference), read (or
+        drawn from ``seed``) into their shards; the same on a resume, so they are never
+        checkpointed. Returns (weights, shardings)."""
+        expected = shapes.abstract_params(self.model.config, param_dtype)
+        dtype = jnp.dtype(compute_dtype)
+        params = self.read(dtype, device_mesh, expected)
+        params = jax.tree.map(lambda p: p.astype(dtype), params)  # random init: master dtype
+        return params, sharding.param_sharding(params, device_mesh)
+
+
+def restore_or_init(starting: StartingWeights, lora_config: LoRAConfig, optimizer: Any,
+                    device_mesh: Any, saved: checkpoints.TrainCheckpoints, iterator: Any, *,
+                    param_dtype: str, compute_dtype: str, resume: bool, keep_frozen: bool,
                     token_rows: int = 0) -> TrainWeights:
-    """The run's weights on ``device_mesh``: the state restored (and ``iterator`` moved to its
-    data position) or initialised, and LoRA's frozen base (or full fine-tuning DPO's reference)
-    read into its shards. ``previous``: the stored config of the run this one resumes
-    (``checkpoints.previous_run``), None for a new run."""
+    """The run's weights on ``device_mesh``: the state restored from ``saved`` (and
+    ``iterator`` moved to its data position) when ``resume``, else initialised from
+    ``starting`` (with LoRA: fresh adapters of ``token_rows`` embedding rows over it); and,
+    with LoRA or ``keep_frozen`` (full fine-tuning DPO's reference), the starting weights read
+    again into their shards, frozen, in ``compute_dtype``."""
     start_step, state, shardings = _restored_or_initial_state(
-        config, base_model, optimizer, device_mesh, checkpoint, saved, iterator,
-        resume=previous is not None, token_rows=token_rows)
+        starting, lora_config, optimizer, device_mesh, saved, iterator,
+        param_dtype=param_dtype, resume=resume, token_rows=token_rows)
     weights = TrainWeights(state=state, state_shardings=shardings, start_step=start_step,
-                           adapted=config.lora.enabled)
-    # LoRA's base; in full fine-tuning DPO the starting weights, as LoRA's base is.
-    if config.lora.enabled or config.trainer.objective == "dpo":
-        weights.frozen, weights.frozen_shardings = _frozen_base(config, base_model, checkpoint,
-                                                                device_mesh)
-    frozen_digest = ({} if weights.frozen is None
-                     else {FROZEN_DIGEST: weights_digest(weights.frozen)})
-    if start_step == 0:
-        if jax.process_index() == 0:
-            checkpoints.write_config(config.runtime.output_dir,
-                                     {**checkpoints.resume_values(config), **frozen_digest})
-    else:
-        _require_same_frozen_weights(previous or {}, frozen_digest, config, checkpoint)
+                           adapted=lora_config.enabled)
+    if lora_config.enabled or keep_frozen:
+        weights.frozen, weights.frozen_shardings = starting.frozen(param_dtype, compute_dtype,
+                                                                   device_mesh)
     return weights
+
+
+def record_frozen_weights(weights: TrainWeights, *, output_dir: str, values: dict[str, Any],
+                          previous: dict[str, Any] | None, checkpoint_name: str) -> None:
+    """A new run writes its record beside its checkpoints: ``values``
+    (``checkpoints.resume_values``) and the digest of its frozen weights, which are read again
+    on a resume, not checkpointed. A resumed run's frozen weights must be those it started
+    with (``previous``: the record of the run it continues)."""
+    digest = {} if weights.frozen is None else {FROZEN_DIGEST: weights_digest(weights.frozen)}
+    if weights.start_step == 0:
+        if jax.process_index() == 0:
+            checkpoints.write_config(output_dir, {**values, **digest})
+        return
+    before, now = (previous or {}).get(FROZEN_DIGEST), digest.get(FROZEN_DIGEST)
+    if before is None or before == now:  # runs from before the record existed pass
+        return
+    role = "LoRA base" if weights.adapted else "DPO reference"
+    raise ConfigError(
+        "checkpoint",
+        f"{checkpoint_name or 'the random init'} now holds other weights than when the run in "
+        f"{output_dir} started (its {role}, not checkpointed, digest {now} against {before})",
+        "put the original weights back at that path, or use a new output_dir to start over "
+        "from these",
+    )
 
 
 # The train config's record of the frozen weights (LoRA's base, DPO's reference) a run started
@@ -174,33 +241,16 @@ def _block_sums(data: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ..
     return total
 
 
-def _require_same_frozen_weights(stored: dict[str, Any], frozen_digest: dict[str, str],
-                                 config: TrainConfig, checkpoint: sources.ResolvedCheckpoint
-                                 ) -> None:
-    """A resumed run's frozen weights are those it started with (runs that recorded none, from
-    before the record existed, pass)."""
-    before, now = stored.get(FROZEN_DIGEST), frozen_digest.get(FROZEN_DIGEST)
-    if before is None or before == now:
-        return
-    role = "LoRA base" if config.lora.rank else "DPO reference"
-    raise ConfigError(
-        "checkpoint",
-        f"{checkpoint.name or 'the random init'} now holds other "
-        f"weights than when the run in {config.runtime.output_dir} started (its {role}, "
-        f"not checkpointed, digest {now} against {before})",
-        "put the original weights back at that path, or use a new output_dir to "
-        "start over from these",
-    )
-
-
-def trained_token_ids(config: TrainConfig, info: Any, *, chat: bool) -> tuple[int, ...]:
-    """The ids of ``lora_train_tokens`` (resolved: the chat turn tokens when LoRA fine-tunes a
-    pretrained checkpoint on chat data); () without LoRA, where every embedding trains."""
-    if not config.lora.rank:
+def trained_token_ids(lora_config: LoRAConfig, info: Any, *, chat: bool, pretrained: bool
+                      ) -> tuple[int, ...]:
+    """The ids of ``lora_config.train_tokens`` (resolved: the chat turn tokens when LoRA
+    fine-tunes a ``pretrained`` checkpoint on ``chat`` data); () without LoRA, where every
+    embedding trains."""
+    if not lora_config.enabled:
         return ()
-    pieces = config.lora.train_tokens
+    pieces = lora_config.train_tokens
     if pieces is None:
-        pieces = list(CHAT_TURN_TOKENS) if chat and config.model.checkpoint else []
+        pieces = list(CHAT_TURN_TOKENS) if chat and pretrained else []
     ids = tokenizers.piece_ids(info, pieces)
     unknown = [piece for piece, i in zip(pieces, ids, strict=True) if i is None]
     if unknown:
@@ -209,18 +259,18 @@ def trained_token_ids(config: TrainConfig, info: Any, *, chat: bool) -> tuple[in
     return tuple(sorted(set(ids)))
 
 
-def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: Any,
-                               device_mesh: Any, checkpoint: sources.ResolvedCheckpoint,
-                               saved: checkpoints.TrainCheckpoints, iterator: Any, *, resume: bool,
-                               token_rows: int = 0
+def _restored_or_initial_state(starting: StartingWeights, lora_config: LoRAConfig,
+                               optimizer: Any, device_mesh: Any,
+                               saved: checkpoints.TrainCheckpoints, iterator: Any, *,
+                               param_dtype: str, resume: bool, token_rows: int = 0
                                ) -> tuple[int, optimization.TrainState, optimization.TrainState]:
     """``(start step, state, its shardings)``: the newest readable checkpoint restored straight
     into its shards (and ``iterator`` moved to its data position), else the initial weights
     (with LoRA: fresh adapters; the base weights are not part of the state)."""
-    param_dtype = jnp.dtype(config.model.param_dtype)
+    model_config = starting.model.config
     # The same abstract trees the memory plan traced (cached per model config).
-    expected = (shapes.adapter_params(base_model.config, config, token_rows) if config.lora.rank
-                else shapes.abstract_params(base_model.config, config.model.param_dtype))
+    expected = (shapes.adapter_params(model_config, lora_config, param_dtype, token_rows)
+                if lora_config.enabled else shapes.abstract_params(model_config, param_dtype))
     shardings = optimization.state_sharding(expected, optimizer, device_mesh)
     abstract = optimization.abstract_state(expected, optimizer, shardings)
     restored = saved.restore_latest(abstract, iterator) if resume else None
@@ -228,55 +278,12 @@ def _restored_or_initial_state(config: TrainConfig, base_model: Any, optimizer: 
         if jax.process_index() == 0:
             print(f"resumed from step {restored[0]} ({saved.directory}/{restored[0]})")
         return restored[0], restored[1], shardings
-    if config.lora.rank:
-        params = lora.init_adapters(base_model.config, rank=config.lora.rank,
-                                    modules=config.lora.modules, dtype=config.model.param_dtype,
-                                    seed=config.trainer.seed + 1, shardings=shardings.params,
+    if lora_config.enabled:
+        params = lora.init_adapters(model_config, rank=lora_config.rank,
+                                    modules=lora_config.modules, dtype=param_dtype,
+                                    seed=starting.seed + 1, shardings=shardings.params,
                                     token_rows=token_rows)
     else:
-        params = initial_params(base_model, checkpoint, config, param_dtype, device_mesh,
-                                expected)
+        params = starting.read(jnp.dtype(param_dtype), device_mesh, expected)
     state, _ = optimization.init_state(params, optimizer, device_mesh)
     return 0, state, shardings
-
-
-def _frozen_base(config: TrainConfig, base_model: Any, checkpoint: sources.ResolvedCheckpoint,
-                 device_mesh: Any) -> tuple[Any, Any]:
-    """The starting weights in the compute dtype (LoRA's base, DPO's reference), read (or drawn
-    from ``seed``) into their shards; the same on a resume, so they are never checkpointed.
-    Returns (weights, shardings)."""
-    expected = shapes.abstract_params(base_model.config, config.model.param_dtype)
-    compute_dtype = jnp.dtype(config.model.compute_dtype)
-    params = initial_params(base_model, checkpoint, config, compute_dtype, device_mesh, expected)
-    params = jax.tree.map(lambda p: p.astype(compute_dtype), params)  # random init: master dtype
-    return params, sharding.param_sharding(params, device_mesh)
-
-
-def initial_params(model: Any, checkpoint: sources.ResolvedCheckpoint, config: TrainConfig,
-                   param_dtype: Any, device_mesh: Any, expected: Any) -> Any:
-    """Initial weights, created or read directly into their shards on ``device_mesh``
-    (``expected``: the params' abstract tree)."""
-    shardings = sharding.param_sharding(expected, device_mesh)
-    if not checkpoint.path:
-        return presets.init_params(
-            model, seed=config.trainer.seed, sample_length=config.data.maxlen, shardings=shardings
-        )
-    mismatch = ConfigError(
-        "checkpoint",
-        f"{checkpoint.name} does not match {config.model.preset}'s parameter shapes",
-        "pick the checkpoint made for this model",
-    )
-    target = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, param_dtype,
-                                                                   sharding=where),
-                          expected, shardings)
-    try:
-        loaded = sources.load(checkpoint, target,
-                              text_only=presets.PRESETS[config.model.preset].multimodal,
-                              progress=jax.process_index() == 0)
-    except (ValueError, KeyError) as error:  # the checkpoint's tree does not fit the model's
-        raise mismatch from error
-    if jax.tree.structure(loaded) != jax.tree.structure(expected) or any(
-            a.shape != b.shape for a, b in zip(jax.tree.leaves(loaded),
-                                               jax.tree.leaves(expected), strict=True)):
-        raise mismatch
-    return jax.tree.map(lambda p: p.astype(param_dtype), loaded)

@@ -273,12 +273,13 @@ def test_lora_train_tokens_resolve_to_ids_and_unknown_pieces_are_refused(cache_d
                          cache_dir=str(cache_dir))
     _, info = load_tokenizer("gemma3", cache_dir=cache_dir, training_stories=None, vocab_size=0,
                              corpus_fingerprint="")
-    assert trained_token_ids(config, info, chat=False) == (105, 106)
+    assert trained_token_ids(config.lora, info, chat=False, pretrained=False) == (105, 106)
     # None: the turn tokens for chat data on a pretrained checkpoint, else none.
-    chat_run = TrainConfig.flat(checkpoint="embedded:gemma3-270m", lora_rank=4)
-    assert trained_token_ids(chat_run, info, chat=True) == (105, 106)
-    assert trained_token_ids(chat_run, info, chat=False) == ()
-    assert trained_token_ids(chat_run.replace(lora_rank=0), info, chat=True) == ()
+    chat_run = TrainConfig.flat(checkpoint="embedded:gemma3-270m", lora_rank=4).lora
+    assert trained_token_ids(chat_run, info, chat=True, pretrained=True) == (105, 106)
+    assert trained_token_ids(chat_run, info, chat=False, pretrained=True) == ()
+    assert trained_token_ids(chat_run, info, chat=True, pretrained=False) == ()
+    assert trained_token_ids(TrainConfig.flat().lora, info, chat=True, pretrained=True) == ()
     with pytest.raises(ConfigError, match=r"^lora_train_tokens: \['<end of turn>'\] are not"):
-        trained_token_ids(config.replace(lora_train_tokens=["<end of turn>"]), info,
-                          chat=False)
+        trained_token_ids(config.replace(lora_train_tokens=["<end of turn>"]).lora, info,
+                          chat=False, pretrained=False)

@@ -119,12 +119,12 @@ def data_across_processes(data_path: str, work_dir: str) -> None:
         maxlen=64, tokenizer_vocab_size=600, tokenize_workers=1, seed=5, eval_fraction=0.1,
         max_eval_stories=3)).config
     prepared = preparation.prepare_data(config)
-    data = preparation.training_data(config, prepared)
+    data = preparation.training_data(prepared, config.data, config.trainer)
     for _ in range(2):
         next(data.train_iterator)
     state = data.train_iterator.get_state()
     after = [next(data.train_iterator) for _ in range(2)]
-    resumed = preparation.training_data(config, prepared).train_iterator
+    resumed = preparation.training_data(prepared, config.data, config.trainer).train_iterator
     resumed.set_state(state)
     again = [next(resumed) for _ in range(2)]
     result = {

@@ -284,14 +284,13 @@ def test_gemma_format_loads_with_gemma(tiny, tmp_path):
 
 
 def test_an_hf_directory_is_a_checkpoint_of_a_run(tiny, sp_model, tmp_path):
-    """The run's hook (gemmalab.train.params.initial_params): read straight into fsdp shards, and a
-    checkpoint of other dimensions is the usual one-line error."""
+    """The run's hook (gemmalab.train.params.StartingWeights.read): read straight into fsdp
+    shards, and a checkpoint of other dimensions is the usual one-line error."""
     import jax.numpy as jnp
 
     from gemmalab import plan
-    from gemmalab.config import TrainConfig
     from gemmalab.model import mesh
-    from gemmalab.train.params import initial_params
+    from gemmalab.train.params import StartingWeights
 
     config, params = tiny
     hf_layout.export_hf(params, config, sp_model, tmp_path / "hf", dtype="float32")
@@ -301,12 +300,13 @@ def test_an_hf_directory_is_a_checkpoint_of_a_run(tiny, sp_model, tmp_path):
     assert resolved.format == "hf"
     assert sources.resolve(str(tmp_path), "gemma3-tiny", tmp_path).format == "orbax"
     device_mesh = mesh.make_mesh({"fsdp": -1})
-    run_config = TrainConfig.flat(model="gemma3-tiny", checkpoint=str(tmp_path / "hf"))
 
     def initial(model_config):
         model = presets.build_model(model_config, param_dtype=jnp.float32)
-        return initial_params(model, resolved, run_config, jnp.float32, device_mesh,
-                              plan.abstract_params(model_config, "float32"))
+        starting = StartingWeights(model, resolved, preset="gemma3-tiny", seed=0,
+                                   sample_length=8)
+        return starting.read(jnp.float32, device_mesh,
+                             plan.abstract_params(model_config, "float32"))
 
     loaded = initial(config)
     linear = loaded["layer_0"]["mlp"]["linear"]
