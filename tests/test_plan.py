@@ -182,8 +182,8 @@ def test_the_run_length_and_cost_follow_the_config_and_the_chips():
     assert two_epochs.cost == two_epochs.run_seconds / 3600 * 8 * 1.5
     assert two_epochs.tokens_per_s == 128 * 256 / two_epochs.step_seconds
     # max_steps replaces the epochs; the last partial batch is a step.
-    assert plan.run_steps(TUTORIAL.replace(max_steps=40, num_epochs=3)) == 40
-    assert plan.run_steps(TUTORIAL.replace(datacount=1000)) == 8
+    assert plan.run_steps(TUTORIAL.replace(max_steps=40, num_epochs=3).trainer, None) == 40
+    assert plan.run_steps(TUTORIAL.trainer, 1000) == 8
     # Micro-batches split the same rows: the same tokens a step.
     accumulated = plan.estimate(TUTORIAL.replace(grad_accum_steps=4), "v6e")
     assert accumulated.roofline.tokens_per_step == 128 * 256

@@ -11,7 +11,16 @@ import math
 from typing import Any
 
 from gemmalab.accelerators import GIB, Accelerator, parse_accelerator
-from gemmalab.config import AXES, DATA_AXIS, FSDP_AXIS, TrainConfig, resolve_mesh_shape
+from gemmalab.config import (
+    AXES,
+    DATA_AXIS,
+    FSDP_AXIS,
+    ModelConfig,
+    RuntimeConfig,
+    TrainConfig,
+    TrainerConfig,
+    resolve_mesh_shape,
+)
 from gemmalab.data_parallel import batch_ways, check_batch_split
 from gemmalab.errors import ConfigError
 from gemmalab.plan.roofline import Roofline, check_price, model_flops, run_steps, traffic_bytes
@@ -162,15 +171,16 @@ class MemoryPlan:
                 f"<= {roof.tokens_per_s:,.0f} tokens/s; {run}")
 
 
-def resolved_mesh(config: TrainConfig, chips: int) -> dict[str, int]:
-    if chips % config.runtime.num_slices:
+def resolved_mesh(runtime: RuntimeConfig, chips: int) -> dict[str, int]:
+    """The mesh axes' sizes ``runtime.mesh`` comes to on ``chips`` chips in its slices."""
+    if chips % runtime.num_slices:
         raise ConfigError(
             "num_slices",
-            f"{config.runtime.num_slices} does not divide {chips} chips",
+            f"{runtime.num_slices} does not divide {chips} chips",
             "use the number of slices the chips come in",
         )
-    sizes = resolve_mesh_shape(config.runtime.mesh, chips // config.runtime.num_slices)
-    return {**sizes, DATA_AXIS: sizes[DATA_AXIS] * config.runtime.num_slices}
+    sizes = resolve_mesh_shape(runtime.mesh, chips // runtime.num_slices)
+    return {**sizes, DATA_AXIS: sizes[DATA_AXIS] * runtime.num_slices}
 
 
 def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
@@ -196,7 +206,7 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
     price_per_chip_hour = check_price(price_per_chip_hour)
     if isinstance(accelerator, str):
         accelerator = parse_accelerator(accelerator)
-    sizes = resolved_mesh(config, accelerator.chips)
+    sizes = resolved_mesh(config.runtime, accelerator.chips)
     abstract_mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
     data_ways = batch_ways(sizes)
     check_batch_split(config.trainer.batch_size, data_ways, config.trainer.grad_accum_steps,
@@ -246,9 +256,10 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
             + (_reference_gather_bytes(gathered, c_size) if reference else 0)
         ),
         "activations": _activation_bytes(
-            model_config, sizes, config, c_size, splash=_runs_splash(config, accelerator)
+            model_config, sizes, c_size, model=config.model, trainer=config.trainer,
+            maxlen=config.data.maxlen, splash=_runs_splash(config.model.attention, accelerator)
         ),
-        "logits": _logits_bytes(config, sizes, vocab, data_ways),
+        "logits": _logits_bytes(config.trainer, config.data.maxlen, sizes, vocab, data_ways),
         "batch": BATCH_FIELD_COUNT
         * 4
         * config.trainer.batch_size
@@ -268,10 +279,12 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
                                    dpo=dpo, adapters=adapters),
         num_params=num_params + adapters, lora_rank=config.lora.rank,
         trainable_params=adapters if config.lora.rank else num_params,
-        traffic=traffic_bytes(model_config, config, sizes, accelerator, shards=shards,
-                               used=used, trained=trained, p_size=p_size, c_size=c_size,
-                               vocab=vocab),
-        run_steps=run_steps(config), price_per_chip_hour=price_per_chip_hour,
+        traffic=traffic_bytes(model_config, sizes, accelerator, model=config.model,
+                              trainer=config.trainer, maxlen=config.data.maxlen,
+                              lora=config.lora.enabled, shards=shards, used=used,
+                              trained=trained, p_size=p_size, c_size=c_size, vocab=vocab),
+        run_steps=run_steps(config.trainer, config.data.datacount),
+        price_per_chip_hour=price_per_chip_hour,
         objective=config.trainer.objective)
 
 
@@ -309,19 +322,20 @@ def _reference_gather_bytes(gathered: dict[str, int], c_size: int) -> int:
     return (gathered.get("embedder", 0) + 2 * max(blocks, default=0)) * c_size
 
 
-def _runs_splash(config: TrainConfig, accelerator: Accelerator) -> bool:
+def _runs_splash(attention_impl: str, accelerator: Accelerator) -> bool:
     from gemmalab.model import attention
 
-    return attention.resolve(config.model.attention, accelerator.platform) == "splash"
+    return attention.resolve(attention_impl, accelerator.platform) == "splash"
 
 
-def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainConfig,
-                      c_size: int, *, splash: bool = False) -> int:
+def _activation_bytes(model_config: Any, sizes: dict[str, int], c_size: int, *,
+                      model: ModelConfig, trainer: TrainerConfig, maxlen: int,
+                      splash: bool = False) -> int:
     """What the backward pass keeps of one micro-batch, plus one block's working set.
 
     ``splash``: attention by the splash kernel (gemmalab.model.attention), which keeps no scores.
 
-    DPO (``config.trainer.objective``): the reference's forward pass runs after the policy's
+    DPO (``trainer.objective``): the reference's forward pass runs after the policy's
     forward and
     before its backward (the loss needs both), so its working set (one block, one logits chunk)
     is alive with what the backward pass keeps but not with the backward's own working set,
@@ -332,10 +346,8 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
     counted whole (all chunks at once).
     """
     d, hd, heads, kv_heads, ffw = block_dims(model_config, sizes)
-    length = config.data.maxlen
-    rows = config.trainer.batch_size // (
-        sizes["data"] * sizes["fsdp"] * config.trainer.grad_accum_steps
-    )
+    length = maxlen
+    rows = trainer.batch_size // (sizes["data"] * sizes["fsdp"] * trainer.grad_accum_steps)
     tokens = rows * length
     # Per token of one block, what XLA keeps for the backward pass (calibrated against the
     # compiled step, docs/scaling.md): the block input, q/k/v, the attention output, the gated
@@ -349,21 +361,22 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], config: TrainCon
     kept = {"none": block,
             # the weight matmuls' outputs: q, k, v, attention output, gate and up, down
             "dots": (2 * d + (heads + 2 * kv_heads) * hd + 2 * ffw) * c_size,
-            "full": d * c_size}[config.model.remat]
+            "full": d * c_size}[model.remat]
     layers = model_config.num_layers
-    working = 0 if config.model.remat == "none" else block  # one block recomputed at a time
+    working = 0 if model.remat == "none" else block  # one block recomputed at a time
     preference = 0
-    if config.trainer.objective == "dpo":  # the reference's hidden states; the segments' one-hot
+    if trainer.objective == "dpo":  # the reference's hidden states; the segments' one-hot
         preference = d * c_size + preference_segments_bound(length) * 4
     return tokens * (layers * kept + working + block + 4 * d * c_size + preference)
 
 
-def _logits_bytes(config: TrainConfig, sizes: dict[str, int], vocab: int, data_ways: int) -> int:
+def _logits_bytes(trainer: TrainerConfig, maxlen: int, sizes: dict[str, int], vocab: int,
+                  data_ways: int) -> int:
     """The loss's logits chunk: float32 values and half as much again for the softmax and its
     gradient (as compiled, docs/scaling.md)."""
     from gemmalab.model.cross_entropy import LOSS_CHUNK_LOGITS
 
-    tokens = config.trainer.batch_size // config.trainer.grad_accum_steps * config.data.maxlen
+    tokens = trainer.batch_size // trainer.grad_accum_steps * maxlen
     chunk = max(1, min(tokens, LOSS_CHUNK_LOGITS // vocab))
     vocab_shard = vocab // sizes["tensor"] if vocab % sizes["tensor"] == 0 else vocab
     return 6 * -(-chunk // data_ways) * vocab_shard

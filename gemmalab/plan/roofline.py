@@ -12,7 +12,7 @@ import numbers
 from typing import Any
 
 from gemmalab.accelerators import Accelerator
-from gemmalab.config import DATA_AXIS, FSDP_AXIS, TrainConfig
+from gemmalab.config import DATA_AXIS, FSDP_AXIS, ModelConfig, TrainerConfig
 from gemmalab.errors import ConfigError
 from gemmalab.plan.shapes import block_dims
 
@@ -81,18 +81,18 @@ def check_price(price: Any) -> float | None:
     return float(price)
 
 
-def run_steps(config: TrainConfig) -> int | None:
+def run_steps(trainer: TrainerConfig, datacount: int | None) -> int | None:
     """The run's steps: ``max_steps``, else ``num_epochs`` epochs of ``datacount`` examples one
     a row (the tutorial's layout); None when ``datacount`` is None (unknown until the data is read).
 
     A gemmalab run takes fewer: it holds out ``eval_fraction`` of the examples, and packing puts
     several short ones in a row.
     """
-    if config.trainer.max_steps is not None:
-        return config.trainer.max_steps
-    if config.data.datacount is None:
+    if trainer.max_steps is not None:
+        return trainer.max_steps
+    if datacount is None:
         return None
-    return config.trainer.num_epochs * math.ceil(config.data.datacount / config.trainer.batch_size)
+    return trainer.num_epochs * math.ceil(datacount / trainer.batch_size)
 
 
 def model_flops(model_config: Any, num_params: int, *, batch_size: int, maxlen: int,
@@ -122,9 +122,10 @@ def compiled_cost(compiled: Any) -> dict[str, float]:
     return dict(cost or {})
 
 
-def traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int],
-                   accelerator: Accelerator, *, shards: dict[str, int], used: dict[str, int],
-                   trained: int, p_size: int, c_size: int, vocab: int) -> dict[str, int]:
+def traffic_bytes(model_config: Any, sizes: dict[str, int], accelerator: Accelerator, *,
+                  model: ModelConfig, trainer: TrainerConfig, maxlen: int, lora: bool,
+                  shards: dict[str, int], used: dict[str, int], trained: int, p_size: int,
+                  c_size: int, vocab: int) -> dict[str, int]:
     """HBM bytes one device reads and writes in a step, by part: a lower bound (each tensor
     written once and read once per use; what fuses away in VMEM/caches is not counted, nor are
     collectives or the program's small tensors).
@@ -152,10 +153,9 @@ def traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int],
     """
     from gemmalab.model import attention
 
-    accum = config.trainer.grad_accum_steps
-    lora = bool(config.lora.rank)
-    passes = 2 + (config.model.remat != "none")
-    chunks = _loss_chunks(config, vocab)
+    accum = trainer.grad_accum_steps
+    passes = 2 + (model.remat != "none")
+    chunks = loss_chunks(trainer, maxlen, vocab)
     embedding = used.get("embedder", 0)
     blocks = sum(n for module, n in used.items() if module != "embedder")
     cast = 0 if lora or p_size == c_size else sum(shards.values()) * (p_size + c_size)
@@ -168,21 +168,21 @@ def traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int],
         gradients += 2 * accum * (chunks - 1) * embedding * c_size
     d, hd, heads, kv_heads, ffw = block_dims(model_config, sizes)
     tokens = (
-        config.trainer.batch_size
+        trainer.batch_size
         // (sizes[DATA_AXIS] * sizes[FSDP_AXIS] * accum)
-        * config.data.maxlen
+        * maxlen
     )
     block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw) * c_size
-    impl = attention.resolve(config.model.attention, accelerator.platform)
+    impl = attention.resolve(model.attention, accelerator.platform)
     if impl == "gemma" or (impl == "dot_product" and accelerator.platform != "gpu"):
-        block += heads * config.data.maxlen * 2 * 4  # float32 scores and probabilities
-    kept_input = 2 * d * c_size if config.model.remat == "full" else 0
+        block += heads * maxlen * 2 * 4  # float32 scores and probabilities
+    kept_input = 2 * d * c_size if model.remat == "full" else 0
     activations = accum * tokens * model_config.num_layers * (2 * block + kept_input)
     vocab_shard = vocab // sizes["tensor"] if vocab % sizes["tensor"] == 0 else vocab
     logits = accum * tokens * vocab_shard * c_size * (6 if chunks > 1 and not lora else 5)
     traffic = {"weights": weights, "gradients": gradients, "optimizer": 6 * trained * p_size,
                "activations": activations, "logits": logits}
-    if config.trainer.objective == "dpo":
+    if trainer.objective == "dpo":
         traffic["reference"] = accum * (
             (blocks + chunks * embedding) * c_size
             + tokens * model_config.num_layers * 2 * block
@@ -190,7 +190,7 @@ def traffic_bytes(model_config: Any, config: TrainConfig, sizes: dict[str, int],
     return traffic
 
 
-def _loss_chunks(config: TrainConfig, vocab: int) -> int:
+def loss_chunks(trainer: TrainerConfig, maxlen: int, vocab: int) -> int:
     """How many logits chunks the loss of one micro-batch runs in (``chunked_cross_entropy``);
     1: the whole micro-batch's logits at once, kept for the backward pass."""
     from gemmalab.model.cross_entropy import LOSS_CHUNK_LOGITS
@@ -199,6 +199,6 @@ def _loss_chunks(config: TrainConfig, vocab: int) -> int:
         1,
         LOSS_CHUNK_LOGITS
         // vocab
-        // (config.trainer.batch_size // config.trainer.grad_accum_steps),
+        // (trainer.batch_size // trainer.grad_accum_steps),
     )
-    return 1 if span >= config.data.maxlen else -(-config.data.maxlen // span)
+    return 1 if span >= maxlen else -(-maxlen // span)
