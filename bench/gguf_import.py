@@ -76,7 +76,7 @@ def effective_cores(processes: int = 2, count: int = 3_000_000) -> float:
 
 def load_target(model: gguf.GGUFModel, dtype: str) -> Any:
     """gemma3-270m's params as ``jax.ShapeDtypeStruct`` leaves, sharded over every device (as
-    ``train.params.initial_params`` asks ``sources.load`` for them)."""
+    ``train.params.StartingWeights.read`` asks ``sources.load`` for them)."""
     import jax
 
     from gemmalab import plan
