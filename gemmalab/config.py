@@ -17,8 +17,12 @@ from typing import Any
 from gemmalab import storage
 from gemmalab.errors import ConfigError, require
 
-PRESET_NAMES = ("gemma3-tiny", "gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
-TOKENIZER_NAMES = ("local", "gemma3")
+PRESET_NAMES = ("gemma3-tiny", "gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
+                "gemma4-tiny", "gemma4-tiny-moe", "gemma4-e2b", "gemma4-e4b", "gemma4-31b",
+                "gemma4-26b-a4b")
+# Presets built for tests and quick runs: random init, any tokenizer (gemmalab.model.presets).
+TINY_PRESETS = ("gemma3-tiny", "gemma4-tiny", "gemma4-tiny-moe")
+TOKENIZER_NAMES = ("local", "gemma3", "gemma4")
 DTYPES = ("float32", "bfloat16")
 # Rematerialisation of each transformer block in the backward pass
 # (gemmalab.model.presets.build_model).
@@ -51,7 +55,7 @@ ATTENTION_IMPLS = ("auto", "gemma", "dot_product", "splash")
 # Rows per step when batch_size is None. The tiny preset reaches a given held-out quality
 # soonest at 16 on CPUs (~4x the updates of 64 a second: docs/benchmarks/time-to-quality.md, "Time
 # to quality"); the Gemma 3 checkpoints at 64.
-DEFAULT_BATCH_SIZES = {"gemma3-tiny": 16}
+DEFAULT_BATCH_SIZES = {name: 16 for name in TINY_PRESETS}
 DEFAULT_BATCH_SIZE = 64
 
 

@@ -64,7 +64,8 @@ LOCAL_SPECIAL_IDS = {
     "END_OF_AUDIO": 17,
     "AUDIO_PLACEHOLDER": 18,
 }
-GEMMA3_START_OF_TURN_ID = 105
+GEMMA3_START_OF_TURN_ID = 105  # Gemma 4's turn starts at the same id, named otherwise
+GEMMA4_START_OF_TURN = "<|turn>"
 LOCAL_TRAINING_STORIES = 20_000
 
 
@@ -145,6 +146,8 @@ def load_tokenizer(spec: str, *, cache_dir: Path, training_stories: Iterable[str
     """
     if spec == "gemma3":
         return _load_gemma3(cache_dir)
+    if spec == "gemma4":
+        return _load_gemma4()
     if spec.endswith(".gguf"):
         return _load_gguf_vocabulary(Path(spec), cache_dir, name=spec)
     if spec == "local":
@@ -243,6 +246,27 @@ def _load_gemma3(cache_dir: Path) -> tuple[gm.text.Tokenizer, TokenizerInfo]:
     return tok, TokenizerInfo(name="gemma3", model_proto=proto, vocab_size=tok.vocab_size)
 
 
+def _load_gemma4() -> tuple[gm.text.Tokenizer, TokenizerInfo]:
+    """Google's tokenizer_gemma4.model where it can be read: cached, or on gs:// with
+    credentials (no offline copy ships with gemmalab)."""
+    gm = gemma_lib.gm()
+    from gemma.gm.utils import _file_cache
+
+    tok = gm.text.Gemma4Tokenizer()
+    location = str(_file_cache.maybe_get_from_cache(remote_file_path=tok.path,
+                                                    cache_subdir="tokenizer"))
+    fix = ("put tokenizer_gemma4.model in $GEMMA_CACHE_DIR/tokenizer/ (default ~/.gemma) or "
+           "give its path")
+    if storage.is_gcs(location):
+        storage.require_gcs_credentials("tokenizer", location, fix=fix)
+    try:
+        proto = tok._sp.serialized_model_proto()  # noqa: SLF001 - gemma exposes no public getter
+    except Exception as e:  # noqa: BLE001 - any I/O failure gets the same one-line fix
+        raise ConfigError("tokenizer", f"could not read {location} ({type(e).__name__})",
+                          fix) from None
+    return tok, TokenizerInfo(name="gemma4", model_proto=proto, vocab_size=tok.vocab_size)
+
+
 def _load_gguf_vocabulary(path: Path, cache_dir: Path, *, name: str
                           ) -> tuple[gm.text.Tokenizer, TokenizerInfo]:
     """A GGUF's vocabulary as its SentencePiece model, rebuilt once and cached by the file's
@@ -261,7 +285,7 @@ def _load_gguf_vocabulary(path: Path, cache_dir: Path, *, name: str
 def _wrap_file(path: str, *, name: str) -> tuple[gm.text.Tokenizer, TokenizerInfo]:
     import sentencepiece as spm
 
-    fix = "use 'local', 'gemma3', or the path of a SentencePiece .model file"
+    fix = "use 'local', 'gemma3', 'gemma4', or the path of a SentencePiece .model file"
     if storage.is_gcs(path):
         storage.require_gcs_credentials("tokenizer", path, fix=fix)
     elif not Path(path).is_file():
@@ -280,6 +304,9 @@ def _wrap_file(path: str, *, name: str) -> tuple[gm.text.Tokenizer, TokenizerInf
     if vocab > GEMMA3_START_OF_TURN_ID and processor.IdToPiece(GEMMA3_START_OF_TURN_ID) == \
             "<start_of_turn>":
         tokenizer = _gemma_tokenizer_classes()[1](path=path)
+    elif vocab > GEMMA3_START_OF_TURN_ID and processor.IdToPiece(GEMMA3_START_OF_TURN_ID) == \
+            GEMMA4_START_OF_TURN:
+        tokenizer = gemma_lib.gm().text.Gemma4Tokenizer(path=path)
     elif processor.IdToPiece(LOCAL_SPECIAL_IDS["START_OF_TURN"]) == "<start_of_turn>":
         tokenizer = _gemma_tokenizer_classes()[0](path=path)
     else:

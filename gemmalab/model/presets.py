@@ -1,4 +1,4 @@
-"""Gemma 3 presets: gemma's own model classes, plus a tiny one sized for CPUs.
+"""Gemma 3 and Gemma 4 presets: gemma's own model classes, plus tiny ones sized for CPUs.
 
 ``gemma`` is imported inside functions (it pulls tensorflow).
 """
@@ -12,7 +12,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from gemmalab import gemma_lib
-from gemmalab.config import PRESET_NAMES, REMAT_POLICIES
+from gemmalab.config import PRESET_NAMES, REMAT_POLICIES, TINY_PRESETS
 from gemmalab.errors import ConfigError
 from gemmalab.model import attention as attention_lib
 
@@ -33,6 +33,15 @@ class Preset:
     # DPO moves a model that already writes well by small margins; None: the LoRA rate above.
     default_lora_dpo_learning_rate: float | None = None
 
+    @property
+    def family(self) -> str:
+        """"gemma3" or "gemma4": which of gemma's model packages builds it."""
+        return self.name.split("-")[0]
+
+    @property
+    def tiny(self) -> bool:
+        return self.name in TINY_PRESETS
+
 
 PRESETS = {
     p.name: p
@@ -44,6 +53,14 @@ PRESETS = {
         Preset("gemma3-4b", "Gemma3_4B", ("GEMMA3_4B_PT", "GEMMA3_4B_IT"), 2e-5, True),
         Preset("gemma3-12b", "Gemma3_12B", ("GEMMA3_12B_PT", "GEMMA3_12B_IT"), 2e-5, True),
         Preset("gemma3-27b", "Gemma3_27B", ("GEMMA3_27B_PT", "GEMMA3_27B_IT"), 2e-5, True),
+        # Gemma 4's checkpoints all hold vision (and E2B/E4B audio) towers: loaded text-only.
+        Preset("gemma4-tiny", "Gemma4_E2B", (), 3e-3, default_lora_learning_rate=3e-3),
+        Preset("gemma4-tiny-moe", "Gemma4_26B_A4B", (), 3e-3, default_lora_learning_rate=3e-3),
+        Preset("gemma4-e2b", "Gemma4_E2B", ("GEMMA4_E2B_PT", "GEMMA4_E2B_IT"), 2e-5, True),
+        Preset("gemma4-e4b", "Gemma4_E4B", ("GEMMA4_E4B_PT", "GEMMA4_E4B_IT"), 2e-5, True),
+        Preset("gemma4-31b", "Gemma4_31B", ("GEMMA4_31B_PT", "GEMMA4_31B_IT"), 2e-5, True),
+        Preset("gemma4-26b-a4b", "Gemma4_26B_A4B", ("GEMMA4_26B_A4B_PT", "GEMMA4_26B_A4B_IT"),
+               2e-5, True),
     )
 }
 assert tuple(PRESETS) == PRESET_NAMES
@@ -77,9 +94,13 @@ def model_config(preset_name: str, vocab_size: int, num_layers: int | None = Non
     """The resolved gemma ``TransformerConfig`` (text-only) for a preset; with ``num_layers``,
     only its last ``num_layers`` layers (``TrainConfig.num_layers``)."""
     config = _whole_config(preset_name, vocab_size)
-    if num_layers is None:
+    if num_layers is None or num_layers == config.num_layers:
         return config
     check_num_layers(preset_name, num_layers)
+    if PRESETS[preset_name].family == "gemma4":
+        from gemmalab.model import gemma4
+
+        return gemma4.cut(config, num_layers)
     # The pattern's tail: the tiny preset and the 270M end on their global layer.
     return dataclasses.replace(config, attention_types=config.attention_types[-num_layers:])
 
@@ -99,7 +120,14 @@ def _whole_config(preset_name: str, vocab_size: int) -> gm.nn.config.Transformer
     from gemma.gm.nn import _config
     from gemma.gm.nn._gemma import GEMMA3_ATTENTION_PATTERN
 
-    base = getattr(gm.nn, PRESETS[preset_name].gemma_class).config
+    preset = PRESETS[preset_name]
+    if preset.family == "gemma4":
+        from gemmalab.model import gemma4
+
+        if preset.tiny:
+            return gemma4.tiny_config(moe=preset_name.endswith("-moe"), vocab_size=vocab_size)
+        return gemma4.text_config(preset.gemma_class)
+    base = getattr(gm.nn, preset.gemma_class).config
     if preset_name == "gemma3-tiny":
         return dataclasses.replace(
             base, num_embed=vocab_size, **TINY_OVERRIDES,
@@ -123,6 +151,14 @@ def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
     gm = gemma_lib.gm()
     if remat not in REMAT_POLICIES:
         raise ConfigError("remat", f"unknown policy {remat!r}", f"use one of {REMAT_POLICIES}")
+    if is_gemma4(config):
+        from gemmalab.model import gemma4
+
+        if attention not in ("auto", "gemma"):  # the fused kernels read Gemma 3's attention
+            raise ConfigError("attention", f"{attention!r} is not wired for Gemma 4's attention "
+                              "(global heads of another width, shared keys and values)",
+                              "use attention='gemma' (or 'auto')")
+        return gemma4.transformer_class(remat)(config=config, dtype=param_dtype)
     base = gm.nn.Transformer if remat == "none" else _remat_transformer_class()
     fields = {} if remat == "none" else {"remat": remat}
     kernel = attention_kernel(attention, config, mesh)
@@ -130,6 +166,11 @@ def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
         return base(config=config, dtype=param_dtype, **fields)
     return attention_lib.transformer_class(base)(config=config, dtype=param_dtype,
                                                  attention=kernel, **fields)
+
+
+def is_gemma4(config: Any) -> bool:
+    """Whether a gemma ``TransformerConfig`` is Gemma 4's (else Gemma 3's)."""
+    return type(config).__module__.startswith("gemma.gm.nn.gemma4")
 
 
 def attention_kernel(attention: str, config: gm.nn.config.TransformerConfig, mesh: Any = None
@@ -171,16 +212,30 @@ def _remat_transformer_class() -> type:
     return RematTransformer
 
 
-# For random init: which axes of each weight are contracted with the layer's input (its fan-in).
+# For random init: which axes of each weight are contracted with the layer's input (its fan-in),
+# by the weight's name and number of dimensions (Gemma 4's experts share names with its MLP's).
 _FAN_IN_AXES = {
-    "input_embedding": (1,),  # scaled by sqrt(embed_dim) on input; tied output projection
-    "q_einsum": (1,),  # [heads, embed, head_dim]
-    "kv_einsum": (2,),  # [2, kv_heads, embed, head_dim]
-    "qkv_einsum": (2,),  # [3, heads, embed, head_dim]
-    "attn_vec_einsum": (0, 1),  # [heads, head_dim, embed]
-    "linear": (0,),  # [hidden, embed]
+    ("input_embedding", 2): (1,),  # scaled by sqrt(embed_dim) on input; tied output projection
+    ("q_einsum", 3): (1,),  # [heads, embed, head_dim]
+    ("k_einsum", 3): (1,),  # Gemma 4's keys-are-values global layers: [kv_heads, embed, head_dim]
+    ("kv_einsum", 4): (2,),  # [2, kv_heads, embed, head_dim]
+    ("qkv_einsum", 4): (2,),  # [3, heads, embed, head_dim]
+    ("attn_vec_einsum", 3): (0, 1),  # [heads, head_dim, embed]
+    ("linear", 2): (0,),  # [hidden, embed]
+    ("linear", 3): (1,),  # Gemma 4's experts: [experts, hidden, embed]
+    ("gating_einsum", 4): (3,),  # Gemma 4's experts: [experts, 2, hidden, embed]
+    ("router_logits", 2): (0,),  # [embed, experts]
+    # Gemma 4's per-layer embeddings: [vocab, layers, dim] (scaled by sqrt(dim) on input), the
+    # model's projection to them [embed, layers, dim] (RMS-normed after: any scale does), and
+    # each block's gate [embed, dim] and projection back [dim, embed].
+    ("per_layer_embeddings", 3): (2,),
+    ("per_layer_model_projection", 3): (0,),
+    ("per_layer_input_gate", 2): (0,),
+    ("per_layer_projection", 2): (0,),
 }
-_RESIDUAL_OUTPUTS = ("attn_vec_einsum", "linear")
+_RESIDUAL_OUTPUTS = ("attn_vec_einsum", "linear", "per_layer_projection")
+# Gemma 4's 1-D weights that multiply (start at one); Gemma 3's norm scales add to one (zeros).
+_GEMMA4_UNIT_VECTORS = ("scale", "skip_scale", "router_scale", "per_expert_scale")
 
 
 def init_params(model: gm.nn.Transformer, *, seed: int, sample_length: int,
@@ -190,28 +245,33 @@ def init_params(model: gm.nn.Transformer, *, seed: int, sample_length: int,
     gemma's modules draw every weight from N(0, 0.01), which suits loading checkpoints but
     trains slowly from scratch (the tiny preset's eval loss after 40 steps: 5.0 vs 2.6 with this).
     Weights get std 1/sqrt(fan_in); projections back into the residual stream are further
-    scaled by 1/sqrt(2 * num_layers); norm scales keep gemma's zeros (i.e. unit gain).
+    scaled by 1/sqrt(2 * num_layers); norm scales start at unit gain (Gemma 3's zeros, as its
+    norms scale by 1 + scale; Gemma 4's ones, as do its other 1-D scales).
     """
     import jax
     import jax.numpy as jnp
 
     config = model.config
-    # gating_einsum is [2, hidden, embed] when transposed (Gemma 3), else [2, embed, hidden].
-    gating_fan_in = 2 if config.transpose_gating_einsum else 1
+    gemma4 = is_gemma4(config)
+    # gating_einsum is [2, hidden, embed] when transposed (Gemma 3; always in Gemma 4), else
+    # [2, embed, hidden].
+    gating_fan_in = 2 if gemma4 or config.transpose_gating_einsum else 1
     depth_scale = 1.0 / math.sqrt(2 * config.num_layers)
 
-    def std_of(path: Any, weight: Any) -> float | None:
-        """The weight's init std, None for a norm's scale (gemma's zeros: unit gain)."""
+    def std_of(path: Any, weight: Any) -> float | str:
+        """The weight's init std, or "zeros"/"ones" for a 1-D scale."""
         names = [getattr(entry, "key", "") for entry in path]
         if weight.ndim < 2:
-            if names[-1] != "scale":
-                raise ValueError(f"no init rule for parameter {jax.tree_util.keystr(path)}")
-            return None
-        name = next((n for n in reversed(names) if n in _FAN_IN_AXES or n == "gating_einsum"),
-                    None)
+            if gemma4 and names[-1] in _GEMMA4_UNIT_VECTORS:
+                return "ones"
+            if not gemma4 and names[-1] == "scale":
+                return "zeros"
+            raise ValueError(f"no init rule for parameter {jax.tree_util.keystr(path)}")
+        name = next((n for n in reversed(names)
+                     if (n, weight.ndim) in _FAN_IN_AXES or n == "gating_einsum"), None)
         if name is None:
             raise ValueError(f"no fan-in rule for parameter {jax.tree_util.keystr(path)}")
-        axes = (gating_fan_in,) if name == "gating_einsum" else _FAN_IN_AXES[name]
+        axes = _FAN_IN_AXES.get((name, weight.ndim), (gating_fan_in,))
         std = 1.0 / math.sqrt(math.prod(weight.shape[a] for a in axes))
         return std * depth_scale if name in _RESIDUAL_OUTPUTS else std
 
@@ -235,12 +295,14 @@ def init_params(model: gm.nn.Transformer, *, seed: int, sample_length: int,
         wheres = jax.tree.leaves(shardings)
     programs: dict[tuple[Any, ...], Any] = {}
 
-    def program(shape: tuple[int, ...], dtype: Any, std: float | None, where: Any) -> Any:
+    def program(shape: tuple[int, ...], dtype: Any, std: float | str, where: Any) -> Any:
         signature = (shape, dtype, std, where)
         if signature not in programs:
             def draw(key: Any) -> Any:
-                if std is None:
+                if std == "zeros":
                     return jnp.zeros(shape, dtype)
+                if std == "ones":
+                    return jnp.ones(shape, dtype)
                 return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
             programs[signature] = jax.jit(draw, out_shardings=where)
@@ -252,7 +314,8 @@ def init_params(model: gm.nn.Transformer, *, seed: int, sample_length: int,
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
-    """JSON-ready fields of a ``TransformerConfig`` (enums by name); see ``config_from_dict``."""
+    """JSON-ready fields of a Gemma 3 or Gemma 4 ``TransformerConfig`` (enums by name, Gemma
+    4's KV sharing as its fields); see ``config_from_dict``."""
     out = {}
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
@@ -260,6 +323,8 @@ def config_to_dict(config: Any) -> dict[str, Any]:
             value = value.name
         elif isinstance(value, tuple | list):
             value = [v.name if isinstance(v, enum.Enum) else v for v in value]
+        elif field.name == "kv_cache_sharing_config" and value is not None:
+            value = dataclasses.asdict(value)
         elif value is not None and not isinstance(value, int | float | str | bool):
             value = type(value).__name__  # e.g. a vision encoder; text runs have None here
         out[field.name] = value
@@ -269,14 +334,21 @@ def config_to_dict(config: Any) -> dict[str, Any]:
 def config_from_dict(values: dict[str, Any]) -> gm.nn.config.TransformerConfig:
     """Rebuild the exact ``TransformerConfig`` that ``config_to_dict`` wrote."""
     gemma_lib.gm()
-    from gemma.gm.nn import _config, _modules
-
     values = dict(values)
-    values["attention_types"] = tuple(_modules.AttentionType[n] for n in values["attention_types"])
-    values["query_pre_attn_norm"] = _config.QueryPreAttentionNormalisation[
-        values["query_pre_attn_norm"]]
-    if values.get("vision_encoder") is not None:
+    if values.get("vision_encoder") is not None or values.get("audio_encoder") is not None:
         raise ValueError("multimodal configs are not rebuilt from JSON; use the preset")
+    if "kv_cache_sharing_config" in values:  # a field of Gemma 4's config alone
+        from gemma.gm.nn.gemma4 import _config, _modules
+
+        sharing = values["kv_cache_sharing_config"]
+        values["kv_cache_sharing_config"] = (None if sharing is None
+                                             else _config.KVCacheSharingConfig(**sharing))
+    else:
+        from gemma.gm.nn import _config, _modules
+
+        values["query_pre_attn_norm"] = _config.QueryPreAttentionNormalisation[
+            values["query_pre_attn_norm"]]
+    values["attention_types"] = tuple(_modules.AttentionType[n] for n in values["attention_types"])
     return _config.TransformerConfig(**values)
 
 

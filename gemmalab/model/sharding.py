@@ -1,8 +1,9 @@
 """Where every weight lives on the mesh: the sharding rules, in one place.
 
-Each Gemma 3 weight is named by its module (``q_einsum``, ``linear``, ...); its rule names the mesh
-axis that splits each dimension. ``fsdp`` splits the model dimension, ``tensor`` splits heads,
-the feed-forward width and the vocabulary. An axis that does not divide a dimension leaves it
+Each Gemma 3 or Gemma 4 weight is named by its module (``q_einsum``, ``linear``, ...); its rule
+names the mesh axis that splits each dimension. ``fsdp`` splits the model dimension, ``tensor``
+splits heads, the feed-forward width and the vocabulary, ``expert`` a mixture's experts (an axis
+a mesh may lack: then nothing is split over it). An axis that does not divide a dimension leaves it
 whole (e.g. Gemma3-270M's single KV head under ``tensor=2``), so every preset runs on every mesh.
 The optimizer state follows its weight (``training.state_sharding``).
 """
@@ -14,7 +15,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# Mesh axis per dimension of each weight. Gemma 3's layouts (transpose_gating_einsum=True).
+# Mesh axis per dimension of each weight. Gemma 3's layouts (transpose_gating_einsum=True), which
+# Gemma 4's dense layers share, then Gemma 4's own.
 RULES: dict[str, tuple[str | None, ...]] = {
     "input_embedding": ("tensor", "fsdp"),  # [vocab, embed]
     "q_einsum": ("tensor", "fsdp", None),  # [heads, embed, head_dim]
@@ -23,18 +25,39 @@ RULES: dict[str, tuple[str | None, ...]] = {
     "gating_einsum": (None, "tensor", "fsdp"),  # [gate|up, ffw, embed]
     "linear": ("tensor", "fsdp"),  # [ffw, embed]
     "scale": (),  # RMS norms: small, replicated
+    # Gemma 4: global layers whose values are their keys; a mixture's router and experts (the
+    # experts' weights are told from the dense MLP's of the same names by their extra axis).
+    "k_einsum": ("tensor", "fsdp", None),  # [kv_heads, embed, head_dim]
+    "router_logits": ("fsdp", None),  # [embed, experts]
+    "experts_gating": ("expert", None, "tensor", "fsdp"),  # [experts, gate|up, ffw, embed]
+    "experts_linear": ("expert", "tensor", "fsdp"),  # [experts, ffw, embed]
+    # Gemma 4's per-layer embeddings: the table [vocab, layers, dim] (E2B's is half the model),
+    # the projection to them [embed, layers, dim], each block's gate [embed, dim] and back.
+    "per_layer_embeddings": ("tensor", None, "fsdp"),
+    "per_layer_model_projection": ("fsdp", None, None),
+    "per_layer_input_gate": ("fsdp", None),
+    "per_layer_projection": (None, "fsdp"),
+    "skip_scale": (),  # Gemma 4's scalars and vectors: small, replicated
+    "router_scale": (),
+    "per_expert_scale": (),
     "lora": (),  # LoRA adapters (gemmalab.model.lora): rank-r factors, small, replicated
     # LoRA's trained embedding rows (gemmalab.model.lora.TOKEN_ROWS): a few, replicated.
     "token_rows": (),
 }
 
 
-def rule_name(path: tuple[Any, ...]) -> str:
-    """The rule a weight follows: its module's name (the leaf's own for norms and MLP weights)."""
+# Gemma 4's experts: (module, dimensions) -> rule.
+_EXPERT_RULES = {("gating_einsum", 4): "experts_gating", ("linear", 3): "experts_linear"}
+
+
+def rule_name(path: tuple[Any, ...], ndim: int | None = None) -> str:
+    """The rule a weight of ``ndim`` dimensions follows: its module's name (the leaf's own for
+    norms and Gemma 4's MLP weights), or its experts' rule."""
     names = [entry.key for entry in path if isinstance(entry, jax.tree_util.DictKey)]
     if "lora" in names:
         return "lora"
     name = names[-2] if names and names[-1] == "w" and len(names) > 1 else names[-1]
+    name = _EXPERT_RULES.get((name, ndim), name)
     if name not in RULES:
         raise ValueError(f"no sharding rule for parameter {jax.tree_util.keystr(path)}: "
                          f"add one to gemmalab.model.sharding.RULES")
@@ -42,7 +65,7 @@ def rule_name(path: tuple[Any, ...]) -> str:
 
 
 def weight_spec(path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    return _spec(RULES[rule_name(path)], shape, mesh)
+    return _spec(RULES[rule_name(path, len(shape))], shape, mesh)
 
 
 def gathered_spec(rule: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
@@ -52,7 +75,8 @@ def gathered_spec(rule: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpe
 
 
 def _spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    spec = [axis if axis is not None and dim % mesh.shape[axis] == 0 and mesh.shape[axis] > 1
+    sizes = dict(mesh.shape)
+    spec = [axis if axis is not None and sizes.get(axis, 1) > 1 and dim % sizes[axis] == 0
             else None for axis, dim in zip(axes, shape, strict=False)]
     return PartitionSpec(*spec)
 

@@ -8,7 +8,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from gemmalab.config import LoRAConfig, ModelConfig
+from gemmalab.config import TINY_PRESETS, LoRAConfig, ModelConfig
 
 BATCH_FIELD_COUNT = 5  # int32 rows per batch: gemmalab.data.packing.FIELDS
 GEMMA3_VOCAB = 262_144
@@ -19,14 +19,14 @@ PAIR_MIN_TARGETS = 18
 
 def vocab_size_hint(model: ModelConfig) -> int:
     """The embedding rows the run will have, known before the tokenizer is loaded."""
-    if model.preset == "gemma3-tiny" and model.tokenizer == "local":
+    if model.preset in TINY_PRESETS and model.tokenizer == "local":
         return model.tokenizer_vocab_size
-    if (model.preset == "gemma3-tiny" and model.tokenizer.endswith(".model")
+    if (model.preset in TINY_PRESETS and model.tokenizer.endswith(".model")
             and Path(model.tokenizer).is_file()):  # e.g. the local one a continued run saved
         import sentencepiece as spm
 
         return spm.SentencePieceProcessor(model_file=model.tokenizer).vocab_size()
-    return GEMMA3_VOCAB  # Gemma's tokenizer; the largest a custom one may be for tiny
+    return GEMMA3_VOCAB  # Gemma's tokenizer (Gemma 4's is as large); the largest for tiny
 
 
 @functools.cache
@@ -35,9 +35,9 @@ def abstract_params(model_config: Any, param_dtype: str) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from gemmalab import gemma_lib
+    from gemmalab.model import presets
 
-    model = gemma_lib.gm().nn.Transformer(config=model_config, dtype=jnp.dtype(param_dtype))
+    model = presets.build_model(model_config, param_dtype=jnp.dtype(param_dtype))
     return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 

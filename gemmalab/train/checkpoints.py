@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from gemmalab import storage
-from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.weights.orbax_params import absolute_path
 
@@ -172,12 +171,13 @@ def require_steps_ahead(saved: TrainCheckpoints, total_steps: int, *, resume: bo
         )
 
 
-def resume_values(config: TrainConfig) -> dict[str, Any]:
+def resume_values(params: dict[str, Any]) -> dict[str, Any]:
     """The run's record beside its checkpoints, what a resumed run must match
-    (``check_resumable``): the config and the process count."""
+    (``check_resumable``): its flat parameters (``TrainConfig.to_dict``) and the process
+    count."""
     import jax
 
-    return {**config.to_dict(), "processes": jax.process_count()}
+    return {**params, "processes": jax.process_count()}
 
 
 def previous_run(output_dir: str, *, resume: bool, values: dict[str, Any]

@@ -117,7 +117,7 @@ class Experiment:
         devices = attached_accelerator(list(device_mesh.devices.flat))
         memory_plan = (require_fits if config.runtime.check_memory else estimate)(config, devices)
         # The run's record beside its checkpoints; a resumed run's must match it.
-        record = checkpoints.resume_values(config)
+        record = checkpoints.resume_values(config.to_dict())
         previous = checkpoints.previous_run(config.runtime.output_dir,
                                             resume=config.checkpoints.resume, values=record)
         # One checkpoint (trained weights and AdamW's two moments) and the final params.

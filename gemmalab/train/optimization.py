@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gemmalab.model import attention, cross_entropy, lora, preference, presets, sharding
+from gemmalab.model import attention, cross_entropy, gemma4, lora, preference, presets, sharding
 from gemmalab.model.mesh import batch_sharding, global_batch, replicated
 
 OPTIMIZER_SCOPE = "optimizer"  # jax.named_scope of the update's ops (their HLO op_name)
@@ -97,8 +97,9 @@ class Preference:
 
 
 def _hidden_states(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
-                   frozen: Any = None) -> tuple[jax.Array, jax.Array, Any]:
-    """``(hidden states [B, L, D], output head, LoRA's row updates or None)`` of the batch.
+                   frozen: Any = None) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
+    """``(hidden states [B, L, D], output head, LoRA's row updates or None, router sums)`` of
+    the batch (router sums: a mixture of experts' ``router_sums``, else empty).
 
     ``frozen``: the base weights a LoRA model's adapters (``params``) are joined to."""
     params = presets.cast_params(params, compute_dtype)
@@ -115,10 +116,18 @@ def _hidden_states(model: Any, params: Any, batch: dict[str, jax.Array], compute
     mask = (attention.segment_starts(batch["segment_ids"]) if attention.kernel_of(model)
             else attention_mask(batch["segment_ids"]))
     # The model's own logits are unused (XLA drops them); the loss recomputes them in chunks.
-    output = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
-                         attention_mask=mask, return_hidden_states=True)
+    output, sown = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
+                               attention_mask=mask, return_hidden_states=True,
+                               mutable=[gemma4.ROUTER_COLLECTION])
     head = params["embedder"]["input_embedding"] if head is None else head
-    return output.hidden_states, head, row_updates
+    return output.hidden_states, head, row_updates, router_sums(sown)
+
+
+def router_sums(sown: Any) -> dict[str, jax.Array]:
+    """A forward pass's router figures (``gemma4.router_metrics``) as sums that add up over
+    micro-batches (``router_forwards``: how many were added); empty for dense models."""
+    figures = gemma4.router_metrics(sown)
+    return {**figures, "router_forwards": jnp.ones(())} if figures else {}
 
 
 def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
@@ -128,40 +137,45 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
     ``frozen``: the base weights a LoRA model's adapters (``params``) are joined to. ``mesh``:
     the one the batch is split over (None: let XLA place the loss's chunks).
     """
-    hidden, head, row_updates = _hidden_states(model, params, batch, compute_dtype, frozen)
-    return cross_entropy.chunked_cross_entropy(hidden, head, batch["targets"],
-                                 batch["loss_mask"] > 0, softcap=model.config.final_logit_softcap,
-                                 max_logits=cross_entropy.LOSS_CHUNK_LOGITS, mesh=mesh,
-                                 row_updates=row_updates)
+    hidden, head, row_updates, router = _hidden_states(model, params, batch, compute_dtype,
+                                                       frozen)
+    total, count = cross_entropy.chunked_cross_entropy(
+        hidden, head, batch["targets"], batch["loss_mask"] > 0,
+        softcap=model.config.final_logit_softcap, max_logits=cross_entropy.LOSS_CHUNK_LOGITS,
+        mesh=mesh, row_updates=row_updates)
+    return total, count, router
 
 
 def segment_logps(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
                   num_segments: int, frozen: Any = None, mesh: Any = None
-                  ) -> tuple[jax.Array, jax.Array]:
-    """``([B, num_segments] sequence log-probabilities, their loss-bearing tokens)``: each
-    packed segment's sum over its loss-bearing targets, from the chunked loss."""
-    hidden, head, row_updates = _hidden_states(model, params, batch, compute_dtype, frozen)
+                  ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """``([B, num_segments] sequence log-probabilities, their loss-bearing tokens, router
+    sums)``: each packed segment's sum over its loss-bearing targets, from the chunked loss."""
+    hidden, head, row_updates, router = _hidden_states(model, params, batch, compute_dtype,
+                                                       frozen)
     nll, counts = cross_entropy.chunked_segment_nll(
         hidden, head, batch["targets"], batch["loss_mask"] > 0, batch["segment_ids"],
         num_segments=num_segments, softcap=model.config.final_logit_softcap,
         max_logits=cross_entropy.LOSS_CHUNK_LOGITS, mesh=mesh, row_updates=row_updates)
-    return -nll, counts
+    return -nll, counts, router
 
 
 def forward_preference(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
                        frozen: Any, mesh: Any, settings: Preference
-                       ) -> tuple[jax.Array, preference.PairSums]:
-    """DPO's loss summed over the batch's pairs, and its sums (``preference.dpo_sums``): the
-    policy (``model`` on ``params``) against the reference (the base on ``frozen``)."""
-    policy, counts = segment_logps(model, params, batch, compute_dtype, settings.num_segments,
-                                   frozen if settings.adapters else None, mesh)
+                       ) -> tuple[jax.Array, preference.PairSums, dict[str, jax.Array]]:
+    """DPO's loss summed over the batch's pairs, its sums (``preference.dpo_sums``) and the
+    policy's router sums: the policy (``model`` on ``params``) against the reference (the base
+    on ``frozen``)."""
+    policy, counts, router = segment_logps(model, params, batch, compute_dtype,
+                                           settings.num_segments,
+                                           frozen if settings.adapters else None, mesh)
     # The reference depends on no trained weight: autodiff runs no backward pass through it.
-    reference, _ = segment_logps(settings.reference_model, jax.lax.stop_gradient(frozen), batch,
-                                 compute_dtype, settings.num_segments, None, mesh)
+    reference, _, _ = segment_logps(settings.reference_model, jax.lax.stop_gradient(frozen),
+                                    batch, compute_dtype, settings.num_segments, None, mesh)
     sums = preference.dpo_sums(policy, reference, counts, beta=settings.beta,
                                label_smoothing=settings.label_smoothing,
                                rpo_alpha=settings.rpo_alpha)
-    return sums.loss, sums
+    return sums.loss, sums, router
 
 
 def loss_sums(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtype: Any,
@@ -171,10 +185,12 @@ def loss_sums(model: Any, params: Any, batch: dict[str, jax.Array], compute_dtyp
     loss is a mean over: loss-bearing targets, or DPO's pairs), ``useful_tokens`` and, for
     DPO, the pairs' diagnostics. Sums, so micro-batches and eval batches add up."""
     if settings is None:
-        total, count = forward_loss(model, params, batch, compute_dtype, frozen, mesh)
-        return total, {"count": count, "useful_tokens": count}
-    total, sums = forward_preference(model, params, batch, compute_dtype, frozen, mesh, settings)
-    return total, {**sums._asdict(), "count": sums.pairs, "useful_tokens": sums.response_tokens}
+        total, count, router = forward_loss(model, params, batch, compute_dtype, frozen, mesh)
+        return total, {"count": count, "useful_tokens": count, **router}
+    total, sums, router = forward_preference(model, params, batch, compute_dtype, frozen, mesh,
+                                             settings)
+    return total, {**sums._asdict(), "count": sums.pairs, "useful_tokens": sums.response_tokens,
+                   **router}
 
 
 def sums_metrics(total: jax.Array, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -182,6 +198,9 @@ def sums_metrics(total: jax.Array, sums: dict[str, jax.Array]) -> dict[str, jax.
     for DPO ``preference.pair_means``'s (``reward_accuracy``, ``kl_estimate``, ...)."""
     metrics = {"loss": total / jnp.maximum(sums["count"], 1.0),
                "useful_tokens": sums["useful_tokens"]}
+    if "router_forwards" in sums:  # a mixture of experts: the router's, per forward pass
+        metrics.update({name: sums[name] / sums["router_forwards"]
+                        for name in ("router_balance_loss", "router_max_load")})
     if "pairs" in sums:
         fields = preference.PairSums._fields
         means = preference.pair_means(preference.PairSums(**{k: sums[k] for k in fields}))

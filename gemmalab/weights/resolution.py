@@ -67,6 +67,11 @@ def resolve(config: TrainConfig) -> Resolved:
             or (run is not None and run.get("num_layers") == num_layers), "num_layers",
             f"a cut model ({num_layers} layers) cannot load {checkpoint!r}, which holds every "
             "layer of its model", "leave num_layers None to load a checkpoint")
+    family = preset.split("-")[0]
+    require(not (tokenizer in ("gemma3", "gemma4") and tokenizer != family
+                 and is_pretrained(checkpoint)), "tokenizer",
+            f"{tokenizer}'s vocabulary is not the one {preset}'s pretrained weights were trained "
+            "with", f"use tokenizer='{family}' (or leave it unset: the checkpoint's own)")
     require(not (tokenizer == "local" and is_pretrained(checkpoint)), "tokenizer",
             "a tokenizer trained on the corpus cannot read a pretrained checkpoint's "
             "embeddings", "leave tokenizer unset (None: the checkpoint's own) or use 'gemma3'")
@@ -87,12 +92,20 @@ def _model_of_checkpoint(checkpoint: str, run: dict[str, Any] | None) -> tuple[s
         return EMBEDDED_BASES[checkpoint], "the embedded base"
     if run is not None and run.get("model") in PRESET_NAMES:
         return run["model"], "the run's summary.json"
-    upper = checkpoint.upper()
-    if upper.startswith("GEMMA3_") and upper.count("_") == 2:
-        preset = "gemma3-" + upper.split("_")[1].lower()
-        if preset in PRESET_NAMES:
-            return preset, "the checkpoint's name"
+    preset = _preset_of_name(checkpoint)
+    if preset is not None:
+        return preset, "the checkpoint's name"
     return DEFAULT_MODEL, "the default"
+
+
+def _preset_of_name(checkpoint: str) -> str | None:
+    """The preset whose weights a ``gm.ckpts.CheckpointPath`` name holds (GEMMA3_270M_PT ->
+    gemma3-270m, GEMMA4_26B_A4B_IT -> gemma4-26b-a4b), else None."""
+    from gemmalab.model import presets
+
+    upper = checkpoint.upper()
+    return next((name for name, preset in presets.PRESETS.items()
+                 if upper in preset.checkpoints), None)
 
 
 def _tokenizer_of_checkpoint(checkpoint: str, run: dict[str, Any] | None) -> tuple[str, str]:
@@ -104,6 +117,9 @@ def _tokenizer_of_checkpoint(checkpoint: str, run: dict[str, Any] | None) -> tup
         return checkpoint, "the GGUF's own vocabulary"  # gemmalab.weights.gguf_vocab
     if checkpoint.startswith(("gs://", "embedded:")):
         return "gemma3", "the checkpoint's kind"
+    named = _preset_of_name(checkpoint)
+    if named is not None:
+        return named.split("-")[0], "the checkpoint's name"  # gemma3 or gemma4
     own = Path(checkpoint) / "tokenizer.model"  # a Hugging Face directory's
     if own.is_file():
         return str(own), "the checkpoint's tokenizer.model"
@@ -135,6 +151,6 @@ def is_pretrained(checkpoint: str) -> bool:
         return False
     if checkpoint in EMBEDDED_BASES or checkpoint.endswith(".gguf"):
         return True
-    if checkpoint.upper().startswith("GEMMA3_") and "/" not in checkpoint:
+    if _preset_of_name(checkpoint) is not None:
         return True
     return (Path(checkpoint) / "config.json").is_file()  # a Hugging Face directory

@@ -84,17 +84,18 @@ def resolve(spec: str, preset_name: str, cache_dir: Path) -> ResolvedCheckpoint:
 def _checked_gguf(path: Path, name: str, preset_name: str, cache_dir: Path) -> ResolvedCheckpoint:
     """A GGUF checked to be a Gemma 3 text model of ``preset_name``'s shape (read from its
     conversion's record on a second run, so the file's header is parsed once)."""
-    if preset_name == "gemma3-tiny":
-        raise ConfigError("model", "the tiny preset has no pretrained weights to read from "
-                          f"{name}", "use the model the GGUF holds, e.g. model='gemma3-270m'")
+    preset = presets.PRESETS[preset_name]
+    if preset.tiny or preset.family != "gemma3":
+        raise ConfigError("model", f"{preset_name} cannot read {name}: gemmalab reads Gemma 3 "
+                          "GGUFs", "use the model the GGUF holds, e.g. model='gemma3-270m'")
     shape = _shape_record(path, cache_dir)
     if shape is None:
         model = gguf.inspect(path)
         shape = model.shape_fields()
         _record_shape(path, cache_dir, shape)
     config = presets.model_config(preset_name, shape["num_embed"])
-    candidates = {p: presets.model_config(p, shape["num_embed"]) for p in presets.PRESETS
-                  if p != "gemma3-tiny"}
+    candidates = {name: presets.model_config(name, shape["num_embed"])
+                  for name, p in presets.PRESETS.items() if p.family == "gemma3" and not p.tiny}
     gguf.check_fits(_Stated(path, shape), config, preset_name, candidates)
     return ResolvedCheckpoint(str(Path(path).resolve()), name, GGUF, str(cache_dir))
 
