@@ -64,8 +64,11 @@ DEFAULT_BATCH_SIZE = 64
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
+# A mixture of experts' experts split over it (gemmalab.model.sharding); like data and fsdp it
+# also splits the batch, so the layers around the experts are not computed twice.
+EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
-AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
+AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, TENSOR_AXIS)
 # One host: plain data parallelism. The weights are replicated, which is the fastest layout for
 # every model that fits a device (gemma3-tiny, 270m and 1b on a v6e chip); larger ones need fsdp.
 DEFAULT_SHAPE: dict[str, int] = {DATA_AXIS: -1}

@@ -1,10 +1,10 @@
 """How a batch splits over the devices: the one check (and message) of a batch that does not.
 
-The batch is split over the mesh's ``data`` and ``fsdp`` axes (``BATCH_AXES``), and each device's
-share again into ``grad_accum_steps`` micro-batches. The run (``gemmalab.model.mesh``), the plan
-(``gemmalab.plan``) and the cluster config (``gemmalab.k8s.config``) check it here, before any
-expensive work starts. Part of the ground: imports only ``gemmalab.config`` and
-``gemmalab.errors``.
+The batch is split over the mesh's ``data``, ``fsdp`` and ``expert`` axes (``BATCH_AXES``), and
+each device's share again into ``grad_accum_steps`` micro-batches. The run
+(``gemmalab.model.mesh``), the plan (``gemmalab.plan``) and the cluster config
+(``gemmalab.k8s.config``) check it here, before any expensive work starts. Part of the ground:
+imports only ``gemmalab.config`` and ``gemmalab.errors``.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from gemmalab.config import DATA_AXIS, FSDP_AXIS
+from gemmalab.config import DATA_AXIS, EXPERT_AXIS, FSDP_AXIS
 from gemmalab.errors import ConfigError
 
 # The batch is split over every axis that holds different examples.
-BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS)
 
 
 def batch_ways(sizes: Mapping[str, int]) -> int:
     """How many ways a mesh of these axis sizes splits the batch."""
-    return math.prod(int(sizes[axis]) for axis in BATCH_AXES)
+    return math.prod(int(sizes.get(axis, 1)) for axis in BATCH_AXES)
 
 
 def check_batch_split(batch_size: int, ways: int, grad_accum_steps: int = 1, *,

@@ -64,7 +64,7 @@ def test_weights_and_optimizer_bytes_are_those_of_the_real_shards(shape):
         1e-3, 10, warmup_ratio=0.0, min_lr_ratio=1.0), weight_decay=0.0, b1=0.9, b2=0.95,
         max_grad_norm=1.0)
     state, _ = optimization.init_state(params, optimizer, mesh.make_mesh(shape))
-    assert estimate.mesh == {**{"data": 1, "fsdp": 1, "tensor": 1}, **shape}
+    assert estimate.mesh == {**{"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}, **shape}
     assert estimate.breakdown["params"] == sharding.shard_bytes(state.params)
     # AdamW's moments, plus its step counters (a few bytes).
     assert sharding.shard_bytes(state.opt_state) - estimate.breakdown["optimizer"] in range(0, 64)
@@ -130,7 +130,7 @@ def test_a_plan_is_written_as_json_with_the_contract_keys():
     assert document["per_device_gib"] == pytest.approx(
         sum(document["breakdown_bytes"].values()) / GIB, abs=1e-3)
     assert document["device_hbm_gib"] == 32 and document["mesh"] == {"data": 4, "fsdp": 1,
-                                                                     "tensor": 1}
+                                                                     "expert": 1, "tensor": 1}
 
 
 # --- the time plan: a roofline, against the tutorial's published run -------------------------

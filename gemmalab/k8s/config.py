@@ -226,7 +226,7 @@ class ClusterConfig:
             raise ConfigError(f"params.{e.parameter}", e.problem, e.fix) from None
 
     def _data_parallel_size(self) -> int:
-        """How many ways the batch splits on this cluster (the mesh's data x fsdp)."""
+        """How many ways the batch splits on this cluster (the mesh's data x fsdp x expert)."""
         from gemmalab.config import resolve_mesh_shape
 
         per_slice = self.total_devices // self.num_slices

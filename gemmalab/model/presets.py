@@ -105,6 +105,11 @@ def model_config(preset_name: str, vocab_size: int, num_layers: int | None = Non
     return dataclasses.replace(config, attention_types=config.attention_types[-num_layers:])
 
 
+def expert_count(preset_name: str) -> int:
+    """How many experts each layer of a preset has (0: a dense model)."""
+    return getattr(_whole_config(preset_name, 0), "num_experts", 0)
+
+
 def check_num_layers(preset_name: str, num_layers: int | None) -> None:
     """Refuse a ``TrainConfig.num_layers`` deeper than the preset (before any data work)."""
     if num_layers is None:
@@ -166,6 +171,16 @@ def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
         return base(config=config, dtype=param_dtype, **fields)
     return attention_lib.transformer_class(base)(config=config, dtype=param_dtype,
                                                  attention=kernel, **fields)
+
+
+def plain_model(config: Any, param_dtype: Any) -> Any:
+    """gemma's model for ``config`` as gemma defines it (no remat, gemma's attention): what the
+    parameter tree's shapes are traced from."""
+    if is_gemma4(config):
+        from gemmalab.model import gemma4
+
+        return gemma4.transformer_class()(config=config, dtype=param_dtype)
+    return gemma_lib.gm().nn.Transformer(config=config, dtype=param_dtype)
 
 
 def is_gemma4(config: Any) -> bool:

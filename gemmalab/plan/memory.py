@@ -202,12 +202,14 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
     from jax.sharding import AbstractMesh
 
     from gemmalab.model import presets, sharding
+    from gemmalab.model.mesh import check_expert_axis
 
     price_per_chip_hour = check_price(price_per_chip_hour)
     if isinstance(accelerator, str):
         accelerator = parse_accelerator(accelerator)
     sizes = resolved_mesh(config.runtime, accelerator.chips)
     abstract_mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
+    check_expert_axis(sizes, presets.expert_count(config.model.preset), config.model.preset)
     data_ways = batch_ways(sizes)
     check_batch_split(config.trainer.batch_size, data_ways, config.trainer.grad_accum_steps,
                       where=f"mesh {sizes} on {accelerator.name}")
@@ -347,7 +349,7 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], c_size: int, *,
     """
     d, hd, heads, kv_heads, ffw = block_dims(model_config, sizes)
     length = maxlen
-    rows = trainer.batch_size // (sizes["data"] * sizes["fsdp"] * trainer.grad_accum_steps)
+    rows = trainer.batch_size // (batch_ways(sizes) * trainer.grad_accum_steps)
     tokens = rows * length
     # Per token of one block, what XLA keeps for the backward pass (calibrated against the
     # compiled step, docs/scaling.md): the block input, q/k/v, the attention output, the gated

@@ -12,7 +12,8 @@ import numbers
 from typing import Any
 
 from gemmalab.accelerators import Accelerator
-from gemmalab.config import DATA_AXIS, FSDP_AXIS, ModelConfig, TrainerConfig
+from gemmalab.config import ModelConfig, TrainerConfig
+from gemmalab.data_parallel import batch_ways
 from gemmalab.errors import ConfigError
 from gemmalab.plan.shapes import block_dims
 
@@ -169,7 +170,7 @@ def traffic_bytes(model_config: Any, sizes: dict[str, int], accelerator: Acceler
     d, hd, heads, kv_heads, ffw = block_dims(model_config, sizes)
     tokens = (
         trainer.batch_size
-        // (sizes[DATA_AXIS] * sizes[FSDP_AXIS] * accum)
+        // (batch_ways(sizes) * accum)
         * maxlen
     )
     block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw) * c_size

@@ -37,7 +37,7 @@ def abstract_params(model_config: Any, param_dtype: str) -> Any:
 
     from gemmalab.model import presets
 
-    model = presets.build_model(model_config, param_dtype=jnp.dtype(param_dtype))
+    model = presets.plain_model(model_config, jnp.dtype(param_dtype))
     return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 

@@ -108,6 +108,8 @@ class Experiment:
         mesh.check_batch_size(
             config.trainer.batch_size, device_mesh, config.trainer.grad_accum_steps
         )
+        mesh.check_expert_axis(device_mesh.shape, presets.expert_count(config.model.preset),
+                               config.model.preset)
         if storage.is_gcs(config.runtime.output_dir):
             storage.require_gcs_credentials("output_dir", config.runtime.output_dir)
         checkpoint = sources.resolve(

@@ -85,7 +85,10 @@ def _checked_gguf(path: Path, name: str, preset_name: str, cache_dir: Path) -> R
     """A GGUF checked to be a Gemma 3 text model of ``preset_name``'s shape (read from its
     conversion's record on a second run, so the file's header is parsed once)."""
     preset = presets.PRESETS[preset_name]
-    if preset.tiny or preset.family != "gemma3":
+    if preset.tiny:
+        raise ConfigError("model", "the tiny preset has no pretrained weights to read from "
+                          f"{name}", "use the model the GGUF holds, e.g. model='gemma3-270m'")
+    if preset.family != "gemma3":
         raise ConfigError("model", f"{preset_name} cannot read {name}: gemmalab reads Gemma 3 "
                           "GGUFs", "use the model the GGUF holds, e.g. model='gemma3-270m'")
     shape = _shape_record(path, cache_dir)

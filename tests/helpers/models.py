@@ -55,8 +55,10 @@ def _batch(rows=8, maxlen=16, vocab=64, seed=0):
 
 
 def _train(shape, devices, steps=20, compute_dtype=jnp.float32, num_slices=1,
-           grad_accum_steps=1, remat="none", lora_rank=0):
-    config = short_tiny(VOCAB)
+           grad_accum_steps=1, remat="none", lora_rank=0, config=None):
+    """The losses of ``steps`` steps of ``config`` (default ``short_tiny``) on ``shape``, and the
+    final state (with LoRA also the frozen base)."""
+    config = short_tiny(VOCAB) if config is None else config
     model = presets.build_model(config, param_dtype=jnp.float32, remat=remat)
     params = presets.init_params(model, seed=0, sample_length=16)
     device_mesh = mesh.make_mesh(shape, devices, num_slices=num_slices)

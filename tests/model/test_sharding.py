@@ -101,8 +101,9 @@ def test_bad_meshes_are_one_line_errors(shape, message):
 
 
 def test_default_and_rest_of_the_devices():
-    assert resolve_mesh_shape(None, 8) == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert resolve_mesh_shape({"fsdp": -1, "tensor": 2}, 8) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert resolve_mesh_shape(None, 8) == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert resolve_mesh_shape({"fsdp": -1, "tensor": 2}, 8) == {"data": 1, "fsdp": 4, "expert": 1,
+                                                                 "tensor": 2}
     assert mesh.data_parallel_size(mesh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})) == 4
 
 
@@ -110,7 +111,7 @@ def test_default_and_rest_of_the_devices():
 def test_two_simulated_slices_put_data_parallelism_across_them(one_device):
     """Multislice on simulated devices: fsdp inside each "slice" of 4, data across the 2."""
     hybrid = mesh.make_mesh({"fsdp": -1}, num_slices=2)
-    assert mesh.mesh_shape(hybrid) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert mesh.mesh_shape(hybrid) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
     ids = np.vectorize(lambda d: d.id)(hybrid.devices)
     assert sorted(ids[0].ravel()) == [d.id for d in jax.devices()[:4]]  # slice 0 ...
     assert sorted(ids[1].ravel()) == [d.id for d in jax.devices()[4:]]  # ... and slice 1
@@ -188,3 +189,29 @@ def test_remat_keeps_the_weight_names_and_rejects_unknown_policies():
     assert jax.tree.structure(plain) == jax.tree.structure(remat)
     with pytest.raises(ConfigError, match="^remat: unknown policy 'some'"):
         presets.build_model(config, param_dtype=jnp.float32, remat="some")
+
+
+@pytest.mark.slow
+def test_an_expert_axis_trains_a_mixture_like_one_device():
+    """gemma4-tiny-moe's experts split over ``expert`` (and the batch over data x fsdp x
+    expert) train as on one device, within the dense meshes' float32 tolerance."""
+    moe = presets.model_config("gemma4-tiny-moe", VOCAB, num_layers=2)
+    reference, _ = _train({"data": 1}, jax.devices()[:1], steps=8, config=moe)
+    shape = {"data": 2, "fsdp": 2, "expert": 2}
+    losses, state = _train(shape, jax.devices(), steps=8, config=moe)
+    np.testing.assert_allclose(losses, reference, rtol=PARITY_RTOL[jnp.float32])
+    experts = state.params["layer_0"]["mlp"]["gating_einsum"]["w"]
+    assert experts.sharding.spec[0] == "expert"
+    assert experts.addressable_shards[0].data.shape[0] == moe.num_experts // 2
+
+
+def test_an_expert_axis_is_refused_where_it_splits_nothing_or_unevenly():
+    with pytest.raises(ConfigError, match="^mesh: an expert axis of 2 splits nothing: "
+                                          "gemma3-tiny has no experts"):
+        mesh.check_expert_axis({"expert": 2}, presets.expert_count("gemma3-tiny"), "gemma3-tiny")
+    with pytest.raises(ConfigError, match="^mesh: the expert axis \\(3\\) does not divide "
+                                          "gemma4-tiny-moe's 8 experts"):
+        mesh.check_expert_axis({"expert": 3}, presets.expert_count("gemma4-tiny-moe"),
+                               "gemma4-tiny-moe")
+    mesh.check_expert_axis({"expert": 4}, 8, "gemma4-tiny-moe")
+    mesh.check_expert_axis({"expert": 1}, 0, "gemma3-tiny")

@@ -152,7 +152,7 @@ def fsdp_across_processes(work_dir: str) -> None:
 
     losses, state = _train({"fsdp": -1}, jax.devices())
     device_mesh = mesh.make_mesh({"fsdp": -1})
-    assert dict(device_mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert dict(device_mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
     linear = state.params["layer_0"]["mlp"]["linear"]
     saved = orbax_params.save_params(state.params, f"{work_dir}/fsdp-params")
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),

@@ -138,7 +138,7 @@ def test_padding_does_not_change_loss_or_gradients():
     changed["targets"] = np.where(pad, 9, batch["targets"])
 
     def loss(p, b):
-        total, count = optimization.forward_loss(model, p, b, jnp.float32)
+        total, count, _ = optimization.forward_loss(model, p, b, jnp.float32)
         return total / count
 
     value_and_grad = jax.jit(jax.value_and_grad(loss))
@@ -163,7 +163,7 @@ def test_packed_segments_do_not_see_each_other():
     packed["segment_ids"][0, 6:12], packed["positions"][0, 6:12] = 2, np.arange(6)
     only_first = dict(packed, segment_ids=np.where(packed["segment_ids"] == 2, 3, 1) *
                       (packed["segment_ids"] > 0))
-    total_alone, _ = jax.jit(lambda p: optimization.forward_loss(model, p, alone,
+    total_alone, _, _ = jax.jit(lambda p: optimization.forward_loss(model, p, alone,
                                                                   jnp.float32))(params)
 
     @jax.jit
@@ -189,7 +189,7 @@ def test_evaluate_counts_every_real_target():
     loss, perplexity = held_out["eval_loss"], held_out["eval_perplexity"]
     forward_loss = jax.jit(lambda p, b: optimization.forward_loss(model, p, b, jnp.float32))
     totals = [forward_loss(params, b) for b in batches]
-    expected = sum(float(t) for t, _ in totals) / sum(float(n) for _, n in totals)
+    expected = sum(float(t) for t, _, _ in totals) / sum(float(n) for _, n, _ in totals)
     assert loss == pytest.approx(expected, rel=1e-5)
     assert perplexity == pytest.approx(math.exp(expected), rel=1e-5)
 
