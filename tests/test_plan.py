@@ -507,3 +507,43 @@ def test_on_tpu_each_chip_computes_only_its_rows_share_of_the_loss(compiled):
     one_chip = compiled["vocab_one_chip"].breakdown["temporaries"]
     four_chips = compiled["vocab_four_chips"].breakdown["temporaries"]
     assert four_chips < 0.5 * one_chip  # 428 vs 1,792 MiB when written
+
+
+# --- Gemma 4 ------------------------------------------------------------------------------------
+
+def test_gemma4_flops_count_the_weights_a_token_multiplies():
+    """A mixture's idle experts and E2B's per-layer embedding table (a lookup) cost no FLOPs; the
+    global layers attend with their wider keys."""
+    moe = presets.model_config("gemma4-26b-a4b", plan.GEMMA3_VOCAB)
+    total = 25_233_141_790  # gemma4-26b-a4b's text weights, as traced
+    experts = moe.num_layers * moe.num_experts * 3 * moe.expert_dim * moe.embed_dim
+    active = total - experts + experts * moe.top_k_experts // moe.num_experts
+    assert plan.matmul_params(moe, total) == active
+    assert 3.7e9 < active < 3.9e9  # "A4B": about four billion active
+    e2b = presets.model_config("gemma4-e2b", plan.GEMMA3_VOCAB)
+    table = e2b.num_embed * e2b.num_layers * e2b.per_layer_input_dim
+    assert plan.matmul_params(e2b, 10**10) == 10**10 - table
+    widths = plan.layer_head_dims(e2b)
+    assert widths.count(512) == e2b.num_layers // 5 and widths.count(256) == e2b.num_layers * 4 // 5
+    dense = presets.model_config("gemma3-1b", plan.GEMMA3_VOCAB)
+    assert plan.matmul_params(dense, 10**9) == 10**9
+    assert plan.layer_head_dims(dense) == [dense.head_dim] * dense.num_layers
+    flops = plan.model_flops(moe, total, batch_size=1, maxlen=1)
+    assert flops == 6 * active + 12 * moe.num_heads * sum(plan.layer_head_dims(moe))
+
+
+def test_an_expert_axis_splits_the_experts_weights_in_the_plan():
+    config = TrainConfig.flat(model="gemma4-26b-a4b", tokenizer="gemma4", batch_size=8, maxlen=512)
+    accelerator = plan.parse_accelerator("v6e:2x4")
+    replicated = plan.estimate(config, accelerator)
+    split = plan.estimate(config.replace(mesh={"expert": -1}), accelerator)
+    assert split.mesh["expert"] == 8
+    moe = presets.model_config("gemma4-26b-a4b", plan.GEMMA3_VOCAB)
+    experts = moe.num_layers * moe.num_experts * 3 * moe.expert_dim * moe.embed_dim
+    saved = replicated.breakdown["params"] - split.breakdown["params"]
+    assert saved == experts * 7 // 8 * 4  # float32 master weights, 7 of 8 shares gone
+    assert split.per_device_bytes < replicated.per_device_bytes / 3
+    assert {"expert": -1} in plan.spread_meshes("gemma4-26b-a4b")
+    assert plan.spread_meshes("gemma4-31b") == [{"fsdp": -1}]
+    with pytest.raises(ConfigError, match="^mesh: an expert axis of 8 splits nothing"):
+        plan.estimate(config.replace(model="gemma4-31b", mesh={"expert": -1}), accelerator)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gemmalab.model import sharding
-from gemmalab.model.mesh import BATCH_AXES
+from gemmalab.model.mesh import batch_axes
 
 # Largest logits block the loss materialises (elements): 1 GiB in fp32.
 LOSS_CHUNK_LOGITS = 1 << 28
@@ -149,7 +149,7 @@ def _chunked_nll(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, ma
               *(x.reshape(rows, count, span).swapaxes(0, 1) for x in fields))
     if mesh is not None:
         chunks = jax.lax.with_sharding_constraint(
-            chunks, NamedSharding(mesh, PartitionSpec(None, BATCH_AXES)))
+            chunks, NamedSharding(mesh, PartitionSpec(None, batch_axes(mesh))))
         embedding = jax.lax.with_sharding_constraint(embedding, NamedSharding(
             mesh, sharding.gathered_spec("input_embedding", embedding.shape, mesh)))
     update = None if row_updates is None else row_updates[1]

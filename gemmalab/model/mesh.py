@@ -90,8 +90,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes of ``mesh`` that split the batch (``BATCH_AXES``; a mesh built elsewhere may
+    lack some)."""
+    return tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    return NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))
 
 
 def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

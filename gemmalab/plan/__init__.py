@@ -46,12 +46,14 @@ from gemmalab.accelerators import (
 )
 from gemmalab.plan.exact import compile_environment, compiled_plan, find_libtpu
 from gemmalab.plan.fit import (
+    GEMMA4_TABLE_MODELS,
     TABLE_MODELS,
     TOPOLOGIES,
     chips_needed,
     fit_table,
     layouts,
     require_fits,
+    spread_meshes,
     suggest_fit,
 )
 from gemmalab.plan.memory import USABLE_FRACTION, MemoryPlan, estimate, resolved_mesh, write_json
@@ -71,17 +73,20 @@ from gemmalab.plan.shapes import (
     abstract_params,
     adapter_params,
     block_dims,
+    layer_head_dims,
+    matmul_params,
     preference_segments_bound,
     vocab_size_hint,
 )
 
 __all__ = [
-    "ACCELERATOR_FIX", "BATCH_FIELD_COUNT", "CHIPS", "DEVICE_KINDS", "GEMMA3_VOCAB", "GIB",
-    "PAIR_MIN_TARGETS", "ROOFLINE_NOTE", "TABLE_MODELS", "TOPOLOGIES", "USABLE_FRACTION",
-    "Accelerator", "Chip", "MemoryPlan", "Roofline", "abstract_params", "adapter_params",
-    "attached_accelerator", "block_dims", "check_price", "chips_needed", "compile_environment",
-    "compiled_cost", "compiled_plan", "estimate", "find_libtpu", "fit_table", "host_memory_bytes",
-    "layouts", "model_flops", "parse_accelerator", "peak_device_bytes", "preference_segments_bound",
-    "require_fits", "resolved_mesh", "run_steps", "suggest_fit", "traffic_bytes", "vocab_size_hint",
-    "write_json",
+    "ACCELERATOR_FIX", "BATCH_FIELD_COUNT", "CHIPS", "DEVICE_KINDS", "GEMMA3_VOCAB",
+    "GEMMA4_TABLE_MODELS", "GIB", "PAIR_MIN_TARGETS", "ROOFLINE_NOTE", "TABLE_MODELS", "TOPOLOGIES",
+    "USABLE_FRACTION", "Accelerator", "Chip", "MemoryPlan", "Roofline", "abstract_params",
+    "adapter_params", "attached_accelerator", "block_dims", "check_price", "chips_needed",
+    "compile_environment", "compiled_cost", "compiled_plan", "estimate", "find_libtpu", "fit_table",
+    "host_memory_bytes", "layer_head_dims", "layouts", "matmul_params", "model_flops",
+    "parse_accelerator", "peak_device_bytes", "preference_segments_bound", "require_fits",
+    "resolved_mesh", "run_steps", "spread_meshes", "suggest_fit", "traffic_bytes",
+    "vocab_size_hint", "write_json",
 ]

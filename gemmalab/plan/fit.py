@@ -21,7 +21,7 @@ def suggest_fit(config: TrainConfig, accelerator: Accelerator) -> tuple[dict[str
     then both again with fsdp over every chip; None if nothing on this many chips does."""
     config = resolution.resolve(config).config  # a run's choices, decided as it decides them
     candidates: list[dict[str, Any]] = []
-    for mesh_shape in (config.runtime.mesh, {"fsdp": -1}):
+    for mesh_shape in _unique([config.runtime.mesh, *spread_meshes(config.model.preset)]):
         # Not "dots": compiled for TPU it saved nothing over "none" (docs/scaling.md).
         for remat in dict.fromkeys((config.model.remat, "full")):
             accum = config.trainer.grad_accum_steps
@@ -45,7 +45,7 @@ def layouts(config: TrainConfig, accelerator: Accelerator) -> list[MemoryPlan]:
     """The run's plan under its own mesh and under fsdp over every chip, each remat policy."""
     config = resolution.resolve(config).config  # a run's choices, decided as it decides them
     plans = []
-    for mesh_shape in _unique([config.runtime.mesh, {"fsdp": -1}]):
+    for mesh_shape in _unique([config.runtime.mesh, *spread_meshes(config.model.preset)]):
         for remat in REMAT_POLICIES:
             try:
                 plans.append(estimate(config.replace(mesh=mesh_shape, remat=remat),
@@ -55,11 +55,23 @@ def layouts(config: TrainConfig, accelerator: Accelerator) -> list[MemoryPlan]:
     return plans
 
 
+def spread_meshes(preset_name: str) -> list[dict[str, int]]:
+    """The layouts that spread a model's weights over every chip: fsdp, and for a mixture of
+    experts also its experts over an ``expert`` axis (alone, or with fsdp splitting the rest;
+    a layout whose axis does not divide the experts or the chips is skipped by the caller)."""
+    from gemmalab.model import presets
+
+    if not presets.expert_count(preset_name):
+        return [{"fsdp": -1}]
+    return [{"fsdp": -1}, {"expert": -1}, *({"expert": n, "fsdp": -1} for n in (2, 4, 8))]
+
+
 def _unique(items: list[Any]) -> list[Any]:
     return [item for i, item in enumerate(items) if item not in items[:i]]
 
 
 TABLE_MODELS = ("gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
+GEMMA4_TABLE_MODELS = ("gemma4-e2b", "gemma4-e4b", "gemma4-31b", "gemma4-26b-a4b")
 
 
 # libtpu topology names of a slice of n chips: one chip, and the catalogue's slices.
@@ -80,8 +92,9 @@ def fit_table(kind: str = "v6e", chip_counts: tuple[int, ...] = (1, 4, 8, 16, 32
             for chips in chip_counts:
                 shape = TOPOLOGIES[kind][chips] if kind in TOPOLOGIES else chips
                 accelerator = parse_accelerator(f"{kind}:{shape}")
-                config = TrainConfig.flat(model=model, tokenizer="gemma3", maxlen=maxlen,
-                                     batch_size=max(batch_size, chips), lora_rank=lora_rank)
+                config = TrainConfig.flat(model=model, tokenizer=model.split("-")[0],
+                                          maxlen=maxlen, batch_size=max(batch_size, chips),
+                                          lora_rank=lora_rank)
                 first = estimate(config, accelerator)
                 found = (({}, first) if first.fits else suggest_fit(config, accelerator))
                 if found:

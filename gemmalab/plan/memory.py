@@ -29,6 +29,7 @@ from gemmalab.plan.shapes import (
     abstract_params,
     adapter_params,
     block_dims,
+    expert_activations,
     preference_segments_bound,
     vocab_size_hint,
 )
@@ -355,7 +356,8 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], c_size: int, *,
     # compiled step, docs/scaling.md): the block input, q/k/v, the attention output, the gated
     # MLP's gate, up and activation in the compute dtype, and the attention logits and
     # probabilities over the sequence in float32.
-    block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw) * c_size
+    block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw
+             + expert_activations(model_config)) * c_size
     if splash:  # no scores, but q, k, v and the output again in the kernel's heads-major layout
         block += (2 * heads * hd + 2 * kv_heads * hd) * c_size
     else:

@@ -15,7 +15,12 @@ from gemmalab.accelerators import Accelerator
 from gemmalab.config import ModelConfig, TrainerConfig
 from gemmalab.data_parallel import batch_ways
 from gemmalab.errors import ConfigError
-from gemmalab.plan.shapes import block_dims
+from gemmalab.plan.shapes import (
+    block_dims,
+    expert_activations,
+    layer_head_dims,
+    matmul_params,
+)
 
 ROOFLINE_NOTE = ("an upper bound on speed (a floor on time): the step's FLOPs at 100% of the "
                  "chips' dense bf16 peak or its HBM bytes at 100% of their bandwidth, whichever "
@@ -107,12 +112,17 @@ def model_flops(model_config: Any, num_params: int, *, batch_size: int, maxlen: 
 
     ``dpo`` adds the reference model's forward pass: 2 more per base weight (``num_params``: 8
     in full fine-tuning, 6 with LoRA; the reference runs no adapters) and attention's forward
-    products (16 instead of 12)."""
+    products (16 instead of 12).
+
+    Gemma 4: only the weights a token multiplies count (``matmul_params``: a mixture's active
+    experts, not its per-layer embedding table, which is looked up), and each layer's
+    attention at its own head width (the global layers' wider keys)."""
     tokens = batch_size * maxlen
-    attention = ((16 if dpo else 12) * model_config.num_layers * model_config.num_heads
-                 * model_config.head_dim * maxlen)
+    attention = ((16 if dpo else 12) * model_config.num_heads
+                 * sum(layer_head_dims(model_config)) * maxlen)
     per_weight = (4 if lora else 6) + (2 if dpo else 0)
-    return float(tokens * (per_weight * num_params + 6 * adapters + attention))
+    return float(tokens * (per_weight * matmul_params(model_config, num_params)
+                           + 6 * adapters + attention))
 
 
 def compiled_cost(compiled: Any) -> dict[str, float]:
@@ -173,7 +183,8 @@ def traffic_bytes(model_config: Any, sizes: dict[str, int], accelerator: Acceler
         // (batch_ways(sizes) * accum)
         * maxlen
     )
-    block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw) * c_size
+    block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw
+             + expert_activations(model_config)) * c_size
     impl = attention.resolve(model.attention, accelerator.platform)
     if impl == "gemma" or (impl == "dot_product" and accelerator.platform != "gpu"):
         block += heads * maxlen * 2 * 4  # float32 scores and probabilities

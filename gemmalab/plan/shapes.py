@@ -62,6 +62,37 @@ def preference_segments_bound(maxlen: int) -> int:
     return 2 * max(1, maxlen // PAIR_MIN_TARGETS)
 
 
+def layer_head_dims(model_config: Any) -> list[int]:
+    """Each layer's attention head width: Gemma 4's global layers attend with wider keys
+    (``global_key_size``); Gemma 3's are all ``head_dim``."""
+    wide = getattr(model_config, "global_key_size", None) or model_config.head_dim
+    return [wide if kind.name == "GLOBAL" else model_config.head_dim
+            for kind in model_config.attention_types]
+
+
+def matmul_params(model_config: Any, num_params: int) -> int:
+    """The weights of a model of ``num_params`` that one token multiplies: all of Gemma 3's;
+    Gemma 4's less its per-layer embedding table (a lookup) and, in a mixture of experts, the
+    experts that do not run it (each token runs ``top_k_experts`` of ``num_experts``)."""
+    layers = model_config.num_layers
+    lookup = model_config.num_embed * layers * getattr(model_config, "per_layer_input_dim", 0)
+    experts = 0
+    if getattr(model_config, "enable_moe", False):
+        per_layer = model_config.num_experts * 3 * model_config.expert_dim * model_config.embed_dim
+        idle = 1 - model_config.top_k_experts / model_config.num_experts
+        experts = int(layers * per_layer * idle)
+    return num_params - lookup - experts
+
+
+def expert_activations(model_config: Any) -> int:
+    """Per token of one layer of a mixture of experts, what its experts keep for the backward
+    pass: for each of its ``top_k_experts``, the sorted input and output copies and the gate,
+    up and activated widths; 0 for a dense model."""
+    if not getattr(model_config, "enable_moe", False):
+        return 0
+    return model_config.top_k_experts * (2 * model_config.embed_dim + 3 * model_config.expert_dim)
+
+
 def block_dims(model_config: Any, sizes: dict[str, int]) -> tuple[int, int, int, int, int]:
     """Embed and head dimension, and the heads, KV heads and MLP width one device computes."""
     tensor = sizes["tensor"]
