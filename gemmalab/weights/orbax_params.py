@@ -29,6 +29,19 @@ def save_params(params: Any, path: str) -> str:
     return path
 
 
+def leaf_names(path: str) -> set[str]:
+    """The names in the params tree saved at ``path``, read from its metadata (no weight is
+    read)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(absolute_path(path))
+    tree = getattr(tree, "item_metadata", tree)  # newer orbax wraps the tree
+    return {str(getattr(entry, "key", entry)) for keypath, _ in
+            jax.tree_util.tree_flatten_with_path(tree)[0] for entry in keypath}
+
+
 def load_params(path: str, *, text_only: bool = False, target: Any = None) -> Any:
     """Read params written by ``save_params`` or published by Google (``gm.ckpts``).
 

@@ -73,12 +73,46 @@ def resolve(spec: str, preset_name: str, cache_dir: Path) -> ResolvedCheckpoint:
                               "give the directory written by a run (output_dir/params), a "
                               "Hugging Face directory, a .gguf file or a CheckpointPath name")
 
-        return ResolvedCheckpoint(str(local.resolve()), spec,
-                                  HF if hf_layout.is_hf_dir(spec) else ORBAX)
+        if not hf_layout.is_hf_dir(spec):
+            _require_family(family_of_orbax(local), spec, preset)
+            return ResolvedCheckpoint(str(local.resolve()), spec, ORBAX)
+        return ResolvedCheckpoint(str(local.resolve()), spec, HF)
     gemma3 = [n for n in names if n.startswith("GEMMA3_")]
     raise ConfigError("checkpoint", f"unknown checkpoint {spec!r}",
                       f"use a path, '' for random init, {list(embedded.SPECS)} or one of "
                       f"{gemma3}")
+
+
+def family_of_orbax(path: Path) -> str | None:
+    """"gemma3" or "gemma4": the model generation of the params saved at ``path`` (a gemmalab
+    run's, by the model its summary.json names; else by names only one generation's tree has:
+    Gemma 4's blocks scale their output, ``skip_scale``; Gemma 3's query norm is
+    ``_query_norm``), None when neither shows. Reads no weight."""
+    summary = path.parent / "summary.json"
+    if summary.is_file():
+        model = json.loads(summary.read_text()).get("params", {}).get("model")
+        if model in presets.PRESETS:
+            return presets.PRESETS[model].family
+    try:
+        names = orbax_params.leaf_names(str(path))
+    except Exception:  # noqa: BLE001 - not an Orbax tree: the load names the problem later
+        return None
+    if "skip_scale" in names:
+        return "gemma4"
+    if "_query_norm" in names:
+        return "gemma3"
+    return None
+
+
+def _require_family(family: str | None, spec: str, preset: presets.Preset) -> None:
+    """One line naming ``checkpoint`` when its weights are another generation's than the
+    model's (checked before any weight is read)."""
+    if family is not None and family != preset.family:
+        raise ConfigError("checkpoint", f"{spec} holds a {family.replace('gemma', 'Gemma ')} "
+                          f"model but model={preset.name!r} is "
+                          f"{preset.family.replace('gemma', 'Gemma ')}",
+                          f"use a {family} model (e.g. the one that wrote it), or a "
+                          f"{preset.family} checkpoint")
 
 
 def _checked_gguf(path: Path, name: str, preset_name: str, cache_dir: Path) -> ResolvedCheckpoint:

