@@ -8,6 +8,10 @@ template)::
     <start_of_turn>model
     Once upon a time ...<end_of_turn>
 
+Gemma 4's is the same with its own turn pieces, ``<|turn>`` and ``<turn|>`` (gemma's
+``dialog`` GEMMA4 format), at the same ids (105, 106) of its vocabulary: a tokenizer's pieces
+decide which (``markers_of``).
+
 Gemma has no system role: a system text is folded into the first user turn (``system + "\\n\\n"
 + user``, as Gemma 3's own template does). Like gemma's ``Seq2SeqTask``, a training document
 ends with the last model turn's ``<end_of_turn>`` (no EOS): that is where a chat sampler stops.
@@ -30,6 +34,18 @@ from gemmalab.errors import ConfigError
 
 START_OF_TURN = "<start_of_turn>"
 END_OF_TURN = "<end_of_turn>"
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnMarkers:
+    """The pieces that open and close a turn."""
+
+    start: str
+    end: str
+
+
+GEMMA3_TURNS = TurnMarkers(START_OF_TURN, END_OF_TURN)  # also gemmalab's local tokenizer's
+GEMMA4_TURNS = TurnMarkers("<|turn>", "<turn|>")
 USER, MODEL = "user", "model"
 BOS_ID = 2  # Gemma's (gemmalab.data.tokenizer.BOS_ID; not imported: that module pulls more in)
 
@@ -70,38 +86,47 @@ class PreferencePair:
         return self.chosen.prompt_turns
 
 
-def turn_text(role: str, content: str) -> str:
-    return f"{START_OF_TURN}{role}\n{content}{END_OF_TURN}"
+def turn_text(role: str, content: str, markers: TurnMarkers = GEMMA3_TURNS) -> str:
+    return f"{markers.start}{role}\n{content}{markers.end}"
 
 
-def format_text(conversation: Conversation) -> str:
+def format_text(conversation: Conversation, markers: TurnMarkers = GEMMA3_TURNS) -> str:
     """The conversation as one training document (BOS excluded)."""
-    return "\n".join(turn_text(role, content) for role, content in conversation.turns)
+    return "\n".join(turn_text(role, content, markers) for role, content in conversation.turns)
 
 
-def prompt_text(turns: Sequence[Turn]) -> str:
+def prompt_text(turns: Sequence[Turn], markers: TurnMarkers = GEMMA3_TURNS) -> str:
     """Turns ending with a user turn, then the header that asks the model to answer."""
-    history = "".join(turn_text(role, content) + "\n" for role, content in turns)
-    return f"{history}{START_OF_TURN}{MODEL}\n"
+    history = "".join(turn_text(role, content, markers) + "\n" for role, content in turns)
+    return f"{history}{markers.start}{MODEL}\n"
 
 
-def user_prompt(text: str) -> str:
+def user_prompt(text: str, markers: TurnMarkers = GEMMA3_TURNS) -> str:
     """A single-turn prompt in the chat template (what a chat-trained model is sampled from)."""
-    return prompt_text([(USER, text)])
+    return prompt_text([(USER, text)], markers)
 
 
 # ---------------------------------------------------------------------------------------------
 # Tokens and loss mask.
 
 
+def markers_of(processor: Any) -> TurnMarkers:
+    """The turn pieces a SentencePiece model has: Gemma 3's (and gemmalab's local ones) or
+    Gemma 4's; a one-line error naming ``tokenizer`` when it has neither."""
+    for markers in (GEMMA3_TURNS, GEMMA4_TURNS):
+        if processor.unk_id() not in (processor.PieceToId(markers.start),
+                                      processor.PieceToId(markers.end)):
+            return markers
+    raise ConfigError("tokenizer", f"it has no {START_OF_TURN}/{END_OF_TURN} (nor Gemma 4's "
+                      f"{GEMMA4_TURNS.start}/{GEMMA4_TURNS.end}) pieces, which chat data needs",
+                      "use 'local', 'gemma3', 'gemma4' or another Gemma tokenizer")
+
+
 def turn_token_ids(processor: Any) -> tuple[int, int]:
-    """The real ids of ``<start_of_turn>`` and ``<end_of_turn>`` in a SentencePiece model
-    (105/106 in Gemma 3's vocabulary, 10/11 in gemmalab's local one)."""
-    ids = (processor.PieceToId(START_OF_TURN), processor.PieceToId(END_OF_TURN))
-    if processor.unk_id() in ids:
-        raise ConfigError("tokenizer", f"it has no {START_OF_TURN}/{END_OF_TURN} pieces, which "
-                          "chat data needs", "use 'local', 'gemma3' or another Gemma tokenizer")
-    return ids
+    """The real ids of the turn pieces in a SentencePiece model (105/106 in Gemma 3's and
+    Gemma 4's vocabularies, 10/11 in gemmalab's local one)."""
+    markers = markers_of(processor)
+    return processor.PieceToId(markers.start), processor.PieceToId(markers.end)
 
 
 def encode(processor: Any, conversation: Conversation, *, last_reply_only: bool = False

@@ -81,6 +81,18 @@ class TokenizerInfo:
     def fingerprint(self) -> str:
         return hashlib.sha256(self.model_proto).hexdigest()[:16]
 
+    @functools.cached_property
+    def turn_markers(self) -> Any:
+        """Its chat turn pieces (``chat.markers_of``): Gemma 3's and the local ones, or Gemma
+        4's."""
+        import sentencepiece as spm
+
+        from gemmalab.data import chat
+
+        processor = spm.SentencePieceProcessor()
+        processor.LoadFromSerializedProto(self.model_proto)
+        return chat.markers_of(processor)
+
 
 # ---------------------------------------------------------------------------------------------
 # Encoding, usable in spawned worker processes (no jax, no gemma).

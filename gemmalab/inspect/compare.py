@@ -240,7 +240,8 @@ def task_metric(run: Run, contenders: list[Contender], instructions: list[Conver
     (not copied from the instruction), ended by itself, no loop."""
     import pandas as pd
 
-    prompts = [chat.prompt_text(c.prompt_turns) for c in instructions]
+    markers = run.data.tokenizer_info.turn_markers
+    prompts = [chat.prompt_text(c.prompt_turns, markers) for c in instructions]
     asked = [instruction_text(c) for c in instructions]
     facts = [c.facts or {} for c in instructions]
     compute = jnp.dtype(run.config.model.compute_dtype)

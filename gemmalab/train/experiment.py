@@ -252,7 +252,8 @@ class Experiment:
         single = isinstance(prompts, str)
         prompts = [prompts] if single else list(prompts)
         if self.data_stats.get("data_format") in CONVERSATIONAL if chat is None else chat:
-            prompts = [chat_template.user_prompt(p) for p in prompts]
+            markers = self.prepared.tokenizer_info.turn_markers
+            prompts = [chat_template.user_prompt(p, markers) for p in prompts]
         # LoRA: merged straight into the compute dtype sampling runs in (no master-size copy).
         continuations = sampling.continue_prompts(
             self.base_model, self.inference_params(self.compute_dtype), self.tokenizer, prompts,

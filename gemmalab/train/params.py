@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab.config import CHAT_TURN_TOKENS, LoRAConfig
+from gemmalab.config import LoRAConfig
 from gemmalab.data import tokenizer as tokenizers
 from gemmalab.errors import ConfigError
 from gemmalab.model import lora, presets, sharding
@@ -249,8 +249,9 @@ def trained_token_ids(lora_config: LoRAConfig, info: Any, *, chat: bool, pretrai
     if not lora_config.enabled:
         return ()
     pieces = lora_config.train_tokens
-    if pieces is None:
-        pieces = list(CHAT_TURN_TOKENS) if chat and pretrained else []
+    if pieces is None:  # the tokenizer's turn pieces (Gemma 3's or Gemma 4's)
+        markers = info.turn_markers if chat and pretrained else None
+        pieces = [markers.start, markers.end] if markers else []
     ids = tokenizers.piece_ids(info, pieces)
     unknown = [piece for piece, i in zip(pieces, ids, strict=True) if i is None]
     if unknown:

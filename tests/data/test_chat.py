@@ -98,8 +98,30 @@ def test_a_tokenizer_without_turn_pieces_is_refused(stories_file, tmp_path):
     path = tmp_path / "plain.model"
     spm.SentencePieceTrainer.train(input=str(stories_file), model_prefix=str(path.with_suffix("")),
                                    vocab_size=300, minloglevel=2)
-    with pytest.raises(ConfigError, match="^tokenizer: it has no <start_of_turn>"):
+    with pytest.raises(ConfigError, match=r"^tokenizer: it has no <start_of_turn>.*\(nor Gemma 4"):
         chat.encode(spm.SentencePieceProcessor(model_file=str(path)), PAIR)
+
+
+def test_a_gemma4_tokenizer_gets_gemma4_turns(stories_file, tmp_path):
+    """A vocabulary with Gemma 4's turn pieces (``<|turn>``/``<turn|>``, as its 105/106): the
+    template, its ids and the prompts use them."""
+    path = tmp_path / "g4.model"
+    spm.SentencePieceTrainer.train(input=str(stories_file), model_prefix=str(path.with_suffix("")),
+                                   vocab_size=400, minloglevel=2, add_dummy_prefix=False,
+                                   normalization_rule_name="identity", byte_fallback=True,
+                                   remove_extra_whitespaces=False,
+                                   pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+                                   user_defined_symbols=["<|turn>", "<turn|>"])
+    processor = spm.SentencePieceProcessor(model_file=str(path))
+    assert chat.markers_of(processor) == chat.GEMMA4_TURNS
+    start, end = chat.turn_token_ids(processor)
+    ids, mask = chat.encode(processor, PAIR)
+    assert (ids == start).sum() == 2 and (ids == end).sum() == 2
+    text = chat.format_text(PAIR, chat.GEMMA4_TURNS)
+    assert text.startswith("<|turn>user\n") and text.endswith("<turn|>")
+    assert processor.DecodeIds(ids[1:].tolist()) == text
+    assert processor.DecodeIds(ids[mask == 1].tolist()) == "Mia had a kite.<turn|>"
+    assert chat.user_prompt("Hi", chat.GEMMA4_TURNS) == "<|turn>user\nHi<turn|>\n<|turn>model\n"
 
 
 # --- records -------------------------------------------------------------------------------
