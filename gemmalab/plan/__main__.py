@@ -11,7 +11,7 @@ import json
 import sys
 
 from gemmalab.accelerators import parse_accelerator
-from gemmalab.config import OBJECTIVES, TrainConfig
+from gemmalab.config import OBJECTIVES, TINY_PRESETS, TrainConfig
 from gemmalab.plan.fit import fit_table
 from gemmalab.plan.memory import estimate
 
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
                          lora_modules=args.lora_modules, objective=args.objective,
                          datacount=args.datacount,
                          num_epochs=args.num_epochs, max_steps=args.max_steps,
-                         tokenizer="local" if args.model == "gemma3-tiny" else "gemma3")
+                         tokenizer=("local" if args.model in TINY_PRESETS
+                                    else args.model.split("-")[0]))
     make_plan = estimate
     if args.exact:  # the command line's one use of the train stage, which compiles the step
         from gemmalab.train.aot import compile_plan as make_plan
