@@ -67,6 +67,10 @@ def resolve(config: TrainConfig) -> Resolved:
             or (run is not None and run.get("num_layers") == num_layers), "num_layers",
             f"a cut model ({num_layers} layers) cannot load {checkpoint!r}, which holds every "
             "layer of its model", "leave num_layers None to load a checkpoint")
+    if _preset_of_name(checkpoint) is not None:  # before the tokenizer it implies is checked
+        from gemmalab.weights import sources
+
+        sources.require_name_fits(checkpoint, preset)
     family = preset.split("-")[0]
     require(not (tokenizer in ("gemma3", "gemma4") and tokenizer != family
                  and is_pretrained(checkpoint)), "tokenizer",

@@ -49,10 +49,7 @@ def resolve(spec: str, preset_name: str, cache_dir: Path) -> ResolvedCheckpoint:
     preset = presets.PRESETS[preset_name]
     if spec.upper() in names:
         name = spec.upper()
-        if name not in preset.checkpoints:
-            raise ConfigError("checkpoint", f"{name} does not fit model {preset_name!r}",
-                              f"use one of {list(preset.checkpoints) or ['']} for this model, or "
-                              "change model")
+        require_name_fits(name, preset_name)
         path = gm.ckpts.CheckpointPath[name].value
         storage.require_gcs_credentials("checkpoint", path,
                                         fix=storage.GCS_FIX + "; or download it and give its path")
@@ -81,6 +78,16 @@ def resolve(spec: str, preset_name: str, cache_dir: Path) -> ResolvedCheckpoint:
     raise ConfigError("checkpoint", f"unknown checkpoint {spec!r}",
                       f"use a path, '' for random init, {list(embedded.SPECS)} or one of "
                       f"{gemma3}")
+
+
+def require_name_fits(name: str, preset_name: str) -> None:
+    """A ``gm.ckpts.CheckpointPath`` name holds weights of ``preset_name``'s shapes, else one
+    line naming ``checkpoint``."""
+    preset = presets.PRESETS[preset_name]
+    if name.upper() not in preset.checkpoints:
+        raise ConfigError("checkpoint", f"{name.upper()} does not fit model {preset_name!r}",
+                          f"use one of {list(preset.checkpoints) or ['']} for this model, or "
+                          "change model")
 
 
 def family_of_orbax(path: Path) -> str | None:

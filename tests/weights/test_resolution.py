@@ -86,3 +86,22 @@ def test_a_cut_model_trains_from_random_init_or_from_its_own_runs_params(tmp_pat
     assert decided(checkpoint=str(run / "params"), num_layers=2).model.num_layers == 2
     with pytest.raises(ConfigError, match="^num_layers: "):
         decided(checkpoint=str(run / "params"), num_layers=3)
+
+
+@pytest.mark.parametrize(("name", "preset"), [("GEMMA4_E2B_IT", "gemma4-e2b"),
+                                              ("gemma4_26b_a4b_pt", "gemma4-26b-a4b"),
+                                              ("GEMMA3_1B_PT", "gemma3-1b")])
+def test_a_checkpoint_name_decides_the_model_and_its_generations_tokenizer(name, preset):
+    config = resolve(TrainConfig.flat(checkpoint=name)).config
+    assert config.model.preset == preset and config.model.tokenizer == preset[:6]
+
+
+def test_another_generations_checkpoint_or_tokenizer_is_refused_naming_which():
+    with pytest.raises(ConfigError, match="^checkpoint: GEMMA3_4B_PT does not fit model "
+                                          "'gemma4-e4b'. Fix: use one of \\['GEMMA4_E4B_PT'"):
+        resolve(TrainConfig.flat(model="gemma4-e4b", checkpoint="GEMMA3_4B_PT"))
+    with pytest.raises(ConfigError, match="^tokenizer: gemma3's vocabulary is not the one "
+                                          "gemma4-e4b's pretrained weights"):
+        resolve(TrainConfig.flat(checkpoint="GEMMA4_E4B_PT", tokenizer="gemma3"))
+    # From random init any tokenizer goes: its embedding is sized from it.
+    assert resolve(TrainConfig.flat(model="gemma4-tiny", tokenizer="gemma3")).config
