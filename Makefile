@@ -27,6 +27,7 @@ DEMO_DIR ?= runs/demo
 help:
 	@echo "make demo   - set up, then fine-tune the embedded pretrained Gemma 3 270M offline (train.ipynb)"
 	@echo "make demo-tiny - the same notebook on the 1.7M-parameter tiny preset, from random init (~3 min)"
+	@echo "                 (TINY_RECIPE=gemma4-tiny or gemma4-tiny-moe: Gemma 4's tiny presets)"
 	@echo "make test   - set up, then run the test suite"
 	@echo "make test-fast     - the inner loop (~3.5 min on 2 cores): the tests under ~10 s each (-m \"not slow\")"
 	@echo "make test-numerics - the notebook regression tests under SSE4.2/1 core and AVX2 numerics"
@@ -101,7 +102,9 @@ demo: $(STAMP)
 	@$(VENV)/bin/python -m gemmalab.inspect.summary $(DEMO_DIR)/summary.json
 
 # The tiny preset from random init with a tokenizer trained on the corpus: the quick look.
-TINY := -p recipe tiny -p max_new_tokens 64
+# TINY_RECIPE=gemma4-tiny (or gemma4-tiny-moe): Gemma 4's tiny presets the same way.
+TINY_RECIPE ?= tiny
+TINY := -p recipe $(TINY_RECIPE) -p max_new_tokens 64
 DEMO_TINY_DIR ?= runs/demo-tiny
 demo-tiny: $(STAMP)
 	rm -rf $(DEMO_TINY_DIR) && mkdir -p $(DEMO_TINY_DIR)

@@ -32,6 +32,10 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
     # TrainConfig's defaults: the tiny preset from random init (`make demo-tiny`, the tests).
     "tiny": {},
+    # Gemma 4's tiny presets the same way (`make demo-tiny TINY_RECIPE=gemma4-tiny`): the dense
+    # one with per-layer embeddings and shared keys and values, and the mixture of experts.
+    "gemma4-tiny": {"model": "gemma4-tiny"},
+    "gemma4-tiny-moe": {"model": "gemma4-tiny-moe"},
     # The tutorial's setup on a TPU host: full fine-tuning of Gemma 3 270M from its pretrained
     # checkpoint with the Gemma 3 tokenizer, TinyStories from the data bucket, batch 128, 96,000
     # stories (what k8s/*.yaml's standard cases run).
