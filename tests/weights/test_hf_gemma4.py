@@ -262,3 +262,25 @@ def test_the_family_of_an_hf_directory_is_read_from_its_config(tmp_path):
         hf_layout.require_hf_family(hub4, "gemma3-270m")
     with pytest.raises(ConfigError, match="^checkpoint: .*model_type 'llama'"):
         hf_layout.require_hf_family(llama, "gemma4-tiny")
+
+
+def test_the_published_sizes_map_to_gemma4_text_configs():
+    """E2B's 20 sharing layers with their double-width MLP and per-layer inputs; the 26B-A4B's
+    experts beside a dense MLP; the large models' keys-as-values global layers."""
+    def hf(name):
+        return hf_layout.hf_config(presets.model_config(name, 262_144))
+
+    e2b, e4b, big, moe = (hf(n) for n in ("gemma4-e2b", "gemma4-e4b", "gemma4-31b",
+                                          "gemma4-26b-a4b"))
+    assert (e2b["num_kv_shared_layers"], e2b["use_double_wide_mlp"],
+            e2b["hidden_size_per_layer_input"], e2b["intermediate_size"]) == (20, True, 256, 6144)
+    assert e2b["layer_types"][:5] == ["sliding_attention"] * 4 + ["full_attention"]
+    assert (e4b["num_kv_shared_layers"], e4b["num_hidden_layers"]) == (18, 42)
+    assert e2b["global_head_dim"] == big["global_head_dim"] == 512
+    assert (big["attention_k_eq_v"], big["num_global_key_value_heads"],
+            big["hidden_size_per_layer_input"], big["num_kv_shared_layers"]) == (True, 4, 0, 0)
+    assert (moe["enable_moe_block"], moe["num_experts"], moe["top_k_experts"],
+            moe["moe_intermediate_size"], moe["intermediate_size"]) == (True, 128, 8, 704, 2112)
+    assert moe["rope_parameters"]["full_attention"] == {
+        "rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+    assert e2b["max_position_embeddings"] == 131_072 and moe["max_position_embeddings"] == 262_144
