@@ -11,7 +11,8 @@ both sides, HF with ``attn_implementation="eager"``:
 2. import: HF's own model, every parameter and ``layer_scalar`` drawn in torch ->
    ``save_pretrained`` (no keys and values on its sharing layers) -> ``load_hf_params``: gemma's
    logits against HF's;
-3. greedy: transformers' ``generate`` (its KV-cache path) against gemma's greedy loop, 24 tokens;
+3. greedy: transformers' ``generate`` (its KV-cache path) against gemma's greedy loop, 24 tokens,
+   on the model of 1 and on that of 2;
 4. conditioning: the export again with the query-norm scales near 1, where the two libraries'
    float32 logits are set against the float64 ones (gemma's, under ``jax.enable_x64``).
 
@@ -146,6 +147,17 @@ def gemma_greedy(model: Any, params: dict, prompt: list[int], steps: int) -> lis
     return ids[0].tolist()
 
 
+def greedy(results: dict, label: str, hf: Any, model: Any, params: dict, prompt: list[int]
+           ) -> None:
+    by_hf = hf_greedy(hf, prompt, GREEDY_STEPS)
+    by_gemma = gemma_greedy(model, params, prompt, GREEDY_STEPS)
+    same = by_hf == by_gemma
+    results[label] = {"hf": by_hf, "gemma": by_gemma,
+                      "distinct_new_tokens": len(set(by_hf[len(prompt):])), "ok": same}
+    print(f"{label}: {GREEDY_STEPS} tokens identical: {same} "
+          f"({len(set(by_hf[len(prompt):]))} distinct)")
+
+
 def conditioning(name: str, vocab: int, tokens: np.ndarray, sp_path: Path, out: Path
                  ) -> dict[str, float]:
     """With the query-norm scales near 1: how far each library's float32 logits are from the
@@ -239,10 +251,7 @@ def run(results: dict, out: Path, sp_path: Path, vocab: int, tolerance: float,
               gemma_logits(model, params, tokens), tolerance)
 
         prompt = tokens[0, :GREEDY_PROMPT].tolist()
-        by_hf = hf_greedy(hf, prompt, GREEDY_STEPS)
-        by_gemma = gemma_greedy(model, params, prompt, GREEDY_STEPS)
-        results[f"{name}: greedy"] = {"hf": by_hf, "gemma": by_gemma, "ok": by_hf == by_gemma}
-        print(f"{name}: greedy {GREEDY_STEPS} tokens identical: {by_hf == by_gemma}")
+        greedy(results, f"{name}: greedy, export", hf, model, params, prompt)
 
         draw_hf_weights(hf, seed=10 + seed)
         saved = out / f"{name}-saved-by-transformers"
@@ -251,6 +260,7 @@ def run(results: dict, out: Path, sp_path: Path, vocab: int, tolerance: float,
         imported = hf_layout.load_hf_params(saved, abstract)
         check(results, f"{name}: HF save_pretrained -> gemmalab", hf_logits(hf, tokens),
               gemma_logits(model, imported, tokens), tolerance)
+        greedy(results, f"{name}: greedy, import", hf, model, imported, prompt)
 
         figures = conditioning(name, vocab, tokens, sp_path, out / f"{name}-query-norms-near-1")
         # HF is no further from the float64 result than float32 rounding puts gemma.
