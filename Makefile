@@ -34,7 +34,7 @@ help:
 	@echo "make libtpu - the TPU compiler for exact memory plans (notebooks/plan.ipynb exact=True)"
 	@echo "make cluster - a local Kubernetes (API server, JobSet, Kueue, fake TPU v6e nodes) to rehearse GKE runs on"
 	@echo "make cluster-down - stop it (the built programs stay cached in ~/.cache/gemmalab/cluster)"
-	@echo "make interop - export the tiny preset, load it with transformers and peft, compare logits"
+	@echo "make interop - export the tiny presets (Gemma 3 and 4), load them with transformers and peft, compare logits"
 	@echo "make lint   - ruff"
 	@echo "make notebooks - re-execute the nbval regression copies in tests/notebooks/"
 	@echo "make lab    - JupyterLab on notebooks/ with the project's kernel (headless; LAB_IP, LAB_PORT)"

@@ -15,7 +15,10 @@ matters), with a SentencePiece tokenizer trained on the embedded corpus:
 4. import back: the directory transformers itself saves (``save_pretrained``) read by
    ``load_hf_params`` equals the original params; the real ``safetensors`` reads our files;
 5. with ``--run``: a finished run exported as the CLI does; transformers' greedy continuation of
-   a prompt and its logits against gemma's.
+   a prompt and its logits against gemma's;
+6. Gemma 4 (``bench/interop_gemma4.py``): the tiny dense and mixture-of-experts presets exported
+   to ``Gemma4ForCausalLM`` and HF's own saved back into gemmalab (logits, greedy tokens, float64),
+   and a Gemma 4 tokenizer's chat template.
 
 Exits non-zero if any figure is outside its tolerance; writes ``<out>/interop.json``.
 """
@@ -200,6 +203,8 @@ def main() -> int:
                         help="max abs logit difference allowed (float32 on both sides)")
     parser.add_argument("--run", help="also export this finished run (e.g. runs/demo) and "
                         "compare transformers' greedy continuation with gemma's")
+    parser.add_argument("--families", default="gemma3,gemma4",
+                        help="which model families to check (comma-separated)")
     args = parser.parse_args()
     sys.path.append(str(Path(args.site_packages).resolve()))
     out = Path(args.out)
@@ -208,6 +213,7 @@ def main() -> int:
     import peft
     import safetensors
     import torch
+    import torch._dynamo  # noqa: F401 - loads triton's LLVM before jaxlib's (the reverse aborts)
     import transformers
 
     from gemmalab.model import lora
@@ -215,12 +221,19 @@ def main() -> int:
 
     torch.set_num_threads(2)
     started = time.perf_counter()
+    families = set(args.families.split(","))
     config, model, params, adapters, tokens, sp_path = gemma_setup(out)
     results: dict = {"command": " ".join(sys.argv), "python": platform.python_version(),
                      "versions": {"torch": torch.__version__,
                                   "transformers": transformers.__version__,
                                   "peft": peft.__version__, "safetensors": safetensors.__version__},
                      "tokens": list(tokens.shape)}
+    if "gemma4" in families:
+        import interop_gemma4
+
+        interop_gemma4.run(results, out, sp_path, VOCAB, args.tolerance, check)
+    if "gemma3" not in families:
+        return finish(results, out, started)
     want = gemma_logits(model, params, tokens)
 
     hf_layout.export_hf(params, config, sp_path, out / "hf-f32", dtype="float32")
@@ -251,6 +264,11 @@ def main() -> int:
     import_back(results, hf_model, params, out, out / "hf-f32")
     if args.run:
         trained_run_check(results, Path(args.run), out, args.tolerance)
+    return finish(results, out, started)
+
+
+def finish(results: dict, out: Path, started: float) -> int:
+    """Write ``interop.json``; 0 if every check held."""
     results["seconds"] = round(time.perf_counter() - started, 1)
     ok = all(v.get("ok", True) for v in results.values() if isinstance(v, dict))
     results["ok"] = ok

@@ -3,7 +3,8 @@
 - ``sources``: the ``checkpoint`` parameter resolved and read, for every format (CheckpointPath
   names, Orbax and Hugging Face directories, GGUF files, the embedded base);
 - ``orbax_params``: params as Orbax checkpoints (gemma's own format);
-- ``hf_layout``: gemma's params <-> Hugging Face Gemma 3 safetensors, both ways;
+- ``hf_layout``: gemma's params <-> Hugging Face Gemma 3 and Gemma 4 safetensors, both ways
+  (``hf_gemma4``: Gemma 4's layout);
 - ``peft_adapters``: LoRA adapters in PEFT's layout;
 - ``export``: a finished run exported (``python -m gemmalab.weights``);
 - ``gguf``: llama.cpp GGUF files checked, dequantized into their shards and cached;

@@ -1,7 +1,8 @@
 """Export a finished run's weights for other tools: ``FORMATS``.
 
 - ``gemma``: gemma's own format (the Orbax tree ``gm.ckpts.load_params`` reads);
-- ``hf``: a Hugging Face ``Gemma3ForCausalLM`` directory (``gemmalab.weights.hf_layout``);
+- ``hf``: a Hugging Face ``Gemma3ForCausalLM`` or ``Gemma4ForCausalLM`` directory
+  (``gemmalab.weights.hf_layout``);
 - ``peft``: LoRA adapters alone in PEFT's layout (``gemmalab.weights.peft_adapters``).
 
     python -m gemmalab.weights --run runs/x --format hf|gemma|peft --out DIR
@@ -123,8 +124,13 @@ def hf_round_trip(run_dir: str | Path, hf_dir: str | Path) -> dict[str, Any]:
     params = orbax_params.load_params(str(Path(run_dir) / "params"))
     expected = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, np.float32), params)
     loaded = hf_layout.load_hf_params(hf_dir, expected)
-    differences = [float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
-                   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True)]
+    # Gemma 4's KV-sharing layers' own keys and values: unused, not exported, filled on import.
+    model_config = presets.config_from_dict(_read_summary(Path(run_dir))["model_config"])
+    skipped = hf_layout.unexported_paths(model_config)
+    ours, theirs = hf_layout._flatten(params), hf_layout._flatten(loaded)
+    differences = [float(np.max(np.abs(np.asarray(ours[path], np.float32)
+                                       - np.asarray(theirs[path], np.float32))))
+                   for path in ours if path not in skipped]
     dtype = json.loads((Path(hf_dir) / "config.json").read_text()).get("torch_dtype")
     return {"weights": len(differences), "export dtype": dtype,
             "max abs difference": max(differences),

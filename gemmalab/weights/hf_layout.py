@@ -1,8 +1,15 @@
-"""Hugging Face Gemma 3 weights: gemma's params <-> HF ``Gemma3ForCausalLM`` safetensors.
+"""Hugging Face Gemma weights: gemma's params <-> HF ``Gemma3ForCausalLM`` and
+``Gemma4ForCausalLM`` safetensors.
 
 - ``export_hf``: a Hugging Face directory (``config.json``, safetensors, sharded past a size,
   tokenizer files, ``generation_config.json``);
-- ``load_hf_params``: an HF Gemma 3 directory as a gemma params tree (a run's ``checkpoint``).
+- ``load_hf_params``: an HF Gemma 3 or Gemma 4 directory as a gemma params tree (a run's
+  ``checkpoint``);
+- ``hf_family``: which of the two a directory holds, read from its ``config.json``, so a
+  mismatch with the run's model is refused before any weight is read (``require_hf_family``).
+
+Gemma 4's own layout is ``hf_gemma4``; this module dispatches to it on the config's (export)
+or the params tree's (import) family.
 
 The two layouts, as transformers' Gemma 3 modeling code and its converter from gemma's
 checkpoints define them: HF ``Linear`` weights are ``[out, in]`` and a projection's heads are
@@ -108,13 +115,19 @@ def _layer_names(params: dict) -> list[str]:
     return sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
 
 
+def _is_gemma4(model_config: Any) -> bool:
+    from gemmalab.model import presets
+
+    return presets.is_gemma4(model_config)
+
+
 def hf_tensors(params: dict, model_config: Any, dtype: str = "bfloat16"
                ) -> list[safetensors_io.Tensor]:
-    """The ``Gemma3ForCausalLM`` tensors of a gemma params tree, in ``dtype``, converted lazily."""
+    """The ``Gemma3ForCausalLM`` (``Gemma4ForCausalLM``) tensors of a gemma params tree, in
+    ``dtype``, converted lazily."""
     import jax
 
     out_dtype = safetensors_io.DTYPES[EXPORT_DTYPES[dtype]]
-    rules = _block_rules(model_config.transpose_gating_einsum)
 
     def tensor(name: str, leaf: Any, convert: Callable[[Any], Any]) -> safetensors_io.Tensor:
         shape = jax.eval_shape(convert, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)).shape
@@ -122,6 +135,13 @@ def hf_tensors(params: dict, model_config: Any, dtype: str = "bfloat16"
             name, tuple(shape), out_dtype,
             lambda: np.asarray(convert(np.asarray(leaf, np.float32))).astype(out_dtype))
 
+    if _is_gemma4(model_config):
+        from gemmalab.weights import hf_gemma4
+
+        return hf_gemma4.export_tensors(
+            params, model_config,
+            lambda name, leaf, convert: tensor(f"model.{name}", leaf, convert))
+    rules = _block_rules(model_config.transpose_gating_einsum)
     tensors = [tensor("model.embed_tokens.weight", params["embedder"]["input_embedding"],
                       lambda w: w)]
     for i, layer_name in enumerate(_layer_names(params)):
@@ -145,15 +165,24 @@ def _text_prefix(names: set[str]) -> str:
     for prefix in reversed(_HF_PREFIXES):
         if f"{prefix}embed_tokens.weight" in names:
             return prefix
-    raise KeyError("no Gemma 3 text model in the checkpoint (no ...embed_tokens.weight)")
+    raise KeyError("no Gemma text model in the checkpoint (no ...embed_tokens.weight)")
+
+
+def _is_gemma4_tree(params: Any) -> bool:
+    """Gemma 4's blocks scale their output (``skip_scale``); Gemma 3's do not."""
+    layers = _layer_names(params)
+    return bool(layers) and "skip_scale" in params[layers[0]]
 
 
 def hf_to_gemma(tensors: dict[str, np.ndarray], expected: Any,
-                finish: Callable[[np.ndarray, Any], Any] | None = None) -> dict:
+                finish: Callable[[np.ndarray, Any], Any] | None = None, *,
+                kv_shared_layers: int = 0) -> dict:
     """A gemma params tree shaped like ``expected`` (any tree of arrays or shape structs) from
-    HF ``Gemma3ForCausalLM`` tensors; ``finish(value, expected leaf)`` makes each leaf (default:
-    the numpy array). Raises KeyError for a missing tensor, ValueError for a shape that does not
-    fit."""
+    HF ``Gemma3ForCausalLM`` or ``Gemma4ForCausalLM`` tensors (the family is ``expected``'s);
+    ``finish(value, expected leaf)`` makes each leaf (default: the numpy array).
+    ``kv_shared_layers``: Gemma 4's ``num_kv_shared_layers`` (config.json), the last layers that
+    saved no keys and values of their own. Raises KeyError for a missing tensor, ValueError for a
+    shape that does not fit."""
     prefix = _text_prefix(set(tensors))
     finish = finish or (lambda value, leaf: value)
 
@@ -167,6 +196,15 @@ def hf_to_gemma(tensors: dict[str, np.ndarray], expected: Any,
         _set(tree, path, finish(value, leaf))  # one leaf at a time: host memory stays small
 
     params: dict[str, Any] = {}
+    if _is_gemma4_tree(expected):
+        from gemmalab.weights import hf_gemma4
+
+        hf_gemma4.import_params(
+            lambda name: tensors[f"{prefix}{name}"], lambda name: f"{prefix}{name}" in tensors,
+            lambda path, value, leaf: put(params, path, value, leaf), expected,
+            kv_shared_layers)
+        _require_complete(expected, params)
+        return params
     embedding = expected["embedder"]["input_embedding"]
     # The multimodal checkpoints append 64 image-token rows the text model does not have.
     put(params, ("embedder", "input_embedding"), get("embed_tokens")[:embedding.shape[0]],
@@ -180,10 +218,14 @@ def hf_to_gemma(tensors: dict[str, np.ndarray], expected: Any,
             rule = rules[path]
             hf = tuple(get(f"layers.{i}.{module}") for module in rule.hf)
             put(params, (layer_name, *path), rule.to_gemma(hf, tuple(leaf.shape)), leaf)
+    _require_complete(expected, params)
+    return params
+
+
+def _require_complete(expected: Any, params: dict) -> None:
     missing = set(_flatten(expected)) - set(_flatten(params))
     if missing:
         raise KeyError(f"no Hugging Face counterpart for {sorted(missing)[:4]}")
-    return params
 
 
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -238,11 +280,17 @@ def _require_gemma3_blocks(model_config: Any) -> None:
 
 def hf_config(model_config: Any, *, dtype: str = "bfloat16", bos_id: int = 2, eos_id: int = 1,
               pad_id: int = 0) -> dict[str, Any]:
-    """``config.json`` of ``Gemma3ForCausalLM`` for a gemma ``TransformerConfig``.
+    """``config.json`` of ``Gemma3ForCausalLM`` for a gemma ``TransformerConfig`` (Gemma 4's:
+    ``hf_gemma4.hf_config``).
 
     Written for transformers 5 (``rope_parameters``, ``dtype``) and, with the older keys beside
     them (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling``, ``torch_dtype``), for 4.x.
     """
+    if _is_gemma4(model_config):
+        from gemmalab.weights import hf_gemma4
+
+        return hf_gemma4.hf_config(model_config, dtype=dtype, bos_id=bos_id, eos_id=eos_id,
+                                   pad_id=pad_id)
     _require_gemma3_blocks(model_config)
     layer_types = _layer_types(model_config)
     global_rope = _rope(model_config.global_base_frequency, model_config.global_scale_factor)
@@ -311,6 +359,7 @@ class _Vocabulary:
     special: dict[str, str]  # bos_token, eos_token, pad_token, unk_token -> piece
     ids: dict[str, int]
     end_of_turn: int | None  # the chat turn's end, a second stop token when present
+    chat_template: str | None  # the turns' template, from the pieces the vocabulary holds
 
 
 def _read_vocabulary(tokenizer: str | Path | bytes) -> _Vocabulary:
@@ -329,9 +378,17 @@ def _read_vocabulary(tokenizer: str | Path | bytes) -> _Vocabulary:
     ids = {"bos_token": processor.bos_id(), "eos_token": processor.eos_id(),
            "pad_token": processor.pad_id(), "unk_token": processor.unk_id()}
     special = {role: processor.IdToPiece(i) for role, i in ids.items() if i >= 0}
-    end_of_turn = processor.PieceToId("<end_of_turn>")
-    return _Vocabulary(proto, processor.GetPieceSize(), special, ids,
-                       None if end_of_turn == processor.unk_id() else end_of_turn)
+    # The template follows the turn pieces the run's tokenizer has (what its chat data was
+    # encoded with): Gemma 4's <|turn>/<turn|>, else Gemma 3's <start_of_turn>/<end_of_turn>.
+    from gemmalab.weights import hf_gemma4
+
+    for end, template in ((hf_gemma4.END_OF_TURN, hf_gemma4.CHAT_TEMPLATE),
+                          ("<end_of_turn>", CHAT_TEMPLATE)):
+        end_of_turn = processor.PieceToId(end)
+        if end_of_turn != processor.unk_id():
+            return _Vocabulary(proto, processor.GetPieceSize(), special, ids, end_of_turn,
+                               template)
+    return _Vocabulary(proto, processor.GetPieceSize(), special, ids, None, None)
 
 
 def _tokenizer_files(vocabulary: _Vocabulary, max_length: int) -> dict[str, Any]:
@@ -341,7 +398,7 @@ def _tokenizer_files(vocabulary: _Vocabulary, max_length: int) -> dict[str, Any]
               "padding_side": "left", "clean_up_tokenization_spaces": False,
               "spaces_between_special_tokens": False}
     if has_turns:
-        config["chat_template"] = CHAT_TEMPLATE
+        config["chat_template"] = vocabulary.chat_template
     eos = vocabulary.ids["eos_token"]
     return {
         "tokenizer_config.json": config,
@@ -410,8 +467,9 @@ def export_hf(params: dict, model_config: Any, tokenizer: str | Path | bytes,
 
 
 def load_hf_params(hf_dir: str | Path, expected_abstract_params: Any) -> dict:
-    """A gemma params tree from an HF Gemma 3 safetensors directory (``model.safetensors`` or
-    shards with their index), shaped and typed like ``expected_abstract_params``.
+    """A gemma params tree from an HF Gemma 3 or Gemma 4 safetensors directory
+    (``model.safetensors`` or shards with their index), shaped and typed like
+    ``expected_abstract_params``.
 
     Leaves that carry a ``sharding`` are read straight into it (each device's part only).
     Raises KeyError / ValueError when the checkpoint does not fit the expected tree.
@@ -419,9 +477,10 @@ def load_hf_params(hf_dir: str | Path, expected_abstract_params: Any) -> dict:
     directory = Path(hf_dir)
     if not safetensors_io.model_files(directory):
         raise ConfigError("checkpoint", f"no safetensors files in {hf_dir}",
-                          "give a Hugging Face Gemma 3 directory (config.json + *.safetensors)")
+                          "give a Hugging Face Gemma directory (config.json + *.safetensors)")
+    text = _text_config(_read_config(directory) or {})
     return hf_to_gemma(safetensors_io.read_directory(directory), expected_abstract_params,
-                       finish=_place)
+                       finish=_place, kv_shared_layers=int(text.get("num_kv_shared_layers") or 0))
 
 
 def _place(value: np.ndarray, leaf: Any) -> Any:
@@ -441,3 +500,69 @@ def is_hf_dir(path: str | Path) -> bool:
     """A directory with ``config.json`` and safetensors weights (an HF model)."""
     directory = Path(path)
     return (directory / "config.json").is_file() and bool(safetensors_io.model_files(directory))
+
+
+# config.json's model_type (the text model's, or the multimodal wrapper's) -> gemma's family.
+_FAMILIES = {"gemma3_text": "gemma3", "gemma3": "gemma3",
+             "gemma4_text": "gemma4", "gemma4": "gemma4"}
+
+
+def _read_config(directory: Path) -> dict[str, Any] | None:
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's settings: the Hub's multimodal configs nest them in ``text_config``."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def _model_type(config: dict[str, Any]) -> str | None:
+    return _text_config(config).get("model_type") or config.get("model_type")
+
+
+def hf_family(path: str | Path) -> str | None:
+    """``"gemma3"`` or ``"gemma4"``: the family of the model an HF directory holds, from its
+    ``config.json`` alone; None when that names neither (or cannot be read)."""
+    config = _read_config(Path(path))
+    return None if config is None else _FAMILIES.get(_model_type(config) or "")
+
+
+def require_hf_family(path: str | Path, preset_name: str) -> None:
+    """Refuse, in one line naming ``checkpoint``, an HF directory whose model is not of the
+    preset's family (a Gemma 3 checkpoint for a Gemma 4 model, or the reverse), before any
+    weight is read."""
+    from gemmalab.model import presets
+
+    wanted = presets.PRESETS[preset_name].family
+    found = hf_family(path)
+    if found == wanted:
+        return
+    config = _read_config(Path(path))
+    holds = ("no readable config.json" if config is None else
+             f"a {_FAMILY_NAMES[found]} model" if found else "no Gemma 3 or Gemma 4 text model")
+    problem = (f"{path} holds {holds}" + ("" if config is None else
+               f" (config.json model_type {_model_type(config)!r})") +
+               f", but model {preset_name!r} is {_FAMILY_NAMES[wanted]}")
+    fits = [n for n, p in presets.PRESETS.items() if p.family == found and not p.tiny]
+    fix = f"give a Hugging Face {_FAMILY_NAMES[wanted]} directory"
+    if found:
+        fix += f", or a {_FAMILY_NAMES[found]} model for this one ({', '.join(fits)})"
+    raise ConfigError("checkpoint", problem, fix)
+
+
+_FAMILY_NAMES = {"gemma3": "Gemma 3", "gemma4": "Gemma 4"}
+
+
+def unexported_paths(model_config: Any) -> set[tuple[str, ...]]:
+    """The params HF's layout has no place for (their import fills them; see ``hf_gemma4``):
+    Gemma 4's KV-sharing layers' own keys and values, unused by gemma; none in Gemma 3."""
+    if not _is_gemma4(model_config):
+        return set()
+    from gemmalab.weights import hf_gemma4
+
+    return hf_gemma4.unexported_paths(model_config)
