@@ -55,7 +55,8 @@ _EXPERT_RULES = {("gating_einsum", 4): "experts_gating", ("linear", 3): "experts
 
 def rule_name(path: tuple[Any, ...], ndim: int | None = None) -> str:
     """The rule a weight of ``ndim`` dimensions follows: its module's name (the leaf's own for
-    norms and Gemma 4's MLP weights), or its experts' rule."""
+    norms and Gemma 4's MLP weights), or its experts' rule; a LoRA adapter's, ``lora`` or (the
+    experts' adapters, ``lora.py``'s ``_LoRAExperts``) ``lora_experts``."""
     names = [entry.key for entry in path if isinstance(entry, jax.tree_util.DictKey)]
     if "lora" in names:
         return "lora_experts" if any(n.startswith("_LoRAExperts") for n in names) else "lora"
