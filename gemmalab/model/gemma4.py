@@ -9,6 +9,9 @@ What gemmalab changes of gemma 4.0.1's model, and why:
   they were trained as.
 - **Exact top-k routing** (``jax.lax.top_k``): gemma's ``approx_max_k`` may miss an expert on
   TPU (recall target 0.95), and training should see the experts its loss is computed through.
+- **The experts' products are one method** (``Experts.ragged``, on gemma's weights): LoRA
+  (``gemmalab.model.lora``) wraps it to add each expert's own low-rank update, computed on the
+  routed tokens from the factors, as it wraps gemma's ``Einsum`` for every other projection.
 - **Router statistics** are sown (``ROUTER_COLLECTION``) for the step's metrics: each MoE
   layer's mean router probability per expert and its share of the routed tokens, from which
   the load-balancing loss is computed (``router_metrics``). No token is ever dropped: the
@@ -130,6 +133,35 @@ def cut(config: Any, num_layers: int) -> Any:
 
 
 @functools.cache
+def experts_class() -> type:
+    """A set of experts' weights (the parameter ``w`` of gemma's ``_moe._Weight``: ``[E, 2, H,
+    D]`` for gate|up, ``[E, H, D]`` for down) and their product with the tokens routed to each.
+
+    ``ragged(x, group_sizes)``: ``x`` holds the tokens sorted by expert, ``group_sizes[e]`` of
+    them for expert ``e``; gate|up comes out ``[tokens, 2H]`` (gate first), down ``[tokens, D]``.
+    The weight is declared in that (compact) method, so that LoRA's wrapper of it can declare
+    its own parameters there too.
+    """
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    class Experts(nn.Module):
+        shape: tuple[int, ...]
+
+        @nn.compact
+        def ragged(self, x: Any, group_sizes: Any) -> Any:
+            weight = self.param("w", nn.initializers.normal(), self.shape)
+            if weight.ndim == 4:  # gate|up [E, 2, H, D] as gemma's ragged_dot reads it: [E, D, 2H]
+                experts, _, hidden, features = weight.shape
+                weight = jnp.transpose(weight, (0, 3, 1, 2)).reshape(
+                    experts, features, 2 * hidden)
+            return jax.lax.ragged_dot(x, weight, group_sizes=group_sizes)
+
+    return Experts
+
+
+@functools.cache
 def transformer_class(remat_policy: str = "none") -> type:
     """gemma's Gemma 4 ``Transformer`` with gemmalab's router (see the module's docstring);
     with ``remat_policy`` ``"full"`` or ``"dots"``, its blocks rematerialised when training."""
@@ -140,9 +172,36 @@ def transformer_class(remat_policy: str = "none") -> type:
     gemma4 = modules()
     from gemma.gm.nn.gemma4 import _layers, _modules, _moe, _transformer
 
+    experts = experts_class()
+
     class Router(_moe.MoERagged):
         """MoERagged routing on ``router_x`` (the residual) with exact top-k, sowing its
-        statistics."""
+        statistics, its experts' products through ``Experts.ragged`` (where LoRA adapts them)."""
+
+        def setup(self) -> None:  # gemma's, the expert weights as Experts (the same parameters)
+            self.router_logits = _layers.Einsum(shape=(self.features, self.num_experts))
+            self.gating_einsum = experts(
+                shape=(self.num_experts, 2, self.hidden_dim, self.features))
+            self.linear = experts(shape=(self.num_experts, self.hidden_dim, self.features))
+            self.per_expert_scale = self.param("per_expert_scale", nn.initializers.ones,
+                                               (self.num_experts,))
+            self.router_scale = self.param("router_scale", nn.initializers.ones, (self.features,))
+            self.router_norm = _layers.RMSNorm(with_scale=False)
+
+        def _run_ffw_and_routing(self, x: Any, expert_choices: Any, expert_weights: Any) -> Any:
+            # gemma's MoERagged computation, step for step, the products through Experts.
+            counts, sorted_xs, reverse, combine = _moe._expert_dispatch(
+                x, expert_choices, expert_weights)
+            gate_out = self.gating_einsum.ragged(sorted_xs, counts)
+            gate_out = gate_out.reshape(gate_out.shape[0], 2, self.hidden_dim)
+            activation = nn.gelu(gate_out[:, 0, :]) * gate_out[:, 1, :]
+            outputs = self.linear.ragged(activation, counts)
+            expert_indices = jnp.repeat(jnp.arange(self.num_experts), counts,
+                                        total_repeat_length=outputs.shape[0])
+            outputs = outputs * self.per_expert_scale.astype(outputs.dtype)[expert_indices, None]
+            out = _moe._expert_collect(outputs, xs_reverse_argsort=reverse,
+                                       xs_combine_weights=combine)
+            return jnp.einsum("blkd,blk->bld", out, combine, preferred_element_type=out.dtype)
 
         def _router(self, router_logits: Any) -> tuple[Any, Any]:
             router_logits = router_logits.astype(jnp.float32)

@@ -9,6 +9,24 @@ In training the state holds only the adapters (``split``); the base weights are 
 frozen tree in the compute dtype (``join`` puts them back together for the forward pass).
 ``merge`` folds the adapters into an ordinary gemma params tree.
 
+Gemma 4 (``gemmalab.model.gemma4``) has its own ``Einsum`` class, which gemma's LoRA does not
+match (it would add no adapter at all), and experts that are no ``Einsum``: both are adapted here.
+Every projection ``lora_modules`` names gets one adapter, but for
+
+- the router (``mlp/router_logits``, ``EXCLUDED``): nothing trains it towards balance (the
+  balance loss is only reported), so a router update could drift every token to a few experts;
+  its ``[D, E]`` weight is small besides (E=128 for 26B-A4B), where rank 16 is an eighth of it;
+- the projection into the per-layer embeddings (``embedder/per_layer_model_projection``,
+  ``EXCLUDED``): part of the input's encoding, as the embedding LoRA leaves frozen, scaled by
+  ``D**-0.5`` inside its ``Einsum`` (an adapter added after that scale would need it undone to
+  merge and to export); each block's gate and projection of the per-layer input do train
+  (``lora_modules='all'``: they are neither attention nor the MLP);
+- the keys and values of KV-sharing layers (``unread_projections``): computed, never read.
+
+The experts get adapters of their own, ``a [E, in, r]`` and ``b [E, r, out]`` (gate|up's ``out``
+as ``2, H``), computed on the tokens routed to each expert with ``ragged_dot`` on the factors
+(``_LoRAExperts`` wraps ``gemma4.experts_class().ragged``), never as a dense ``[E, ...]`` update.
+
 Beside the adapters a few embedding rows may train (PEFT's ``trainable_token_indices``): a
 pretrained base has barely trained its chat-turn tokens, and LoRA alone never changes an
 embedding, so a fine-tuned model could not learn to end its turn. The adapter tree then holds
@@ -25,6 +43,7 @@ from typing import Any
 
 from gemmalab import gemma_lib
 from gemmalab.config import LORA_MODULES
+from gemmalab.model import gemma4
 
 # The weight update ``a x b`` as each adapted weight's einsum: the weight's subscripts are those
 # of its module's einsum in gemma (``gm/nn/_modules.py``), ``a`` holds the input dimensions and
@@ -36,8 +55,24 @@ DELTA_EINSUMS = {
     "attn_vec_einsum": "nhr,rd->nhd",  # 'BTNH,NHD->BTD'
     "gating_einsum": "fr,rnh->nhf",  # '...F,NHF->...NH' (transposed gating, Gemma 3)
     "linear": "hr,rf->hf",  # '...H,HF->...F'
+    # Gemma 4 (gemma/gm/nn/gemma4/_modules.py): global layers whose values are their keys, and
+    # each block's gate into and projection out of its per-layer input. Its dense MLP's layout
+    # is Gemma 3's transposed one above.
+    "k_einsum": "dr,rkh->kdh",  # 'BSD,KDH->BSKH'
+    "per_layer_input_gate": "dr,rp->dp",  # '...D,DP->...P'
+    "per_layer_projection": "pr,rd->pd",  # '...P,PD->...D'
+    # Its experts (``_LoRAExperts``): gate|up [E, 2, H, D], down [E, H, D], one update each.
+    "experts_gating": "edr,erch->echd",
+    "experts_linear": "ehr,erd->ehd",
 }
-_WRAPPER = re.compile(r"_LoRAEinsum_(.+)")
+# Projections never adapted, by module name, whatever ``lora_modules`` says (see the docstring).
+EXCLUDED = ("router_logits", "per_layer_model_projection")
+# The modules each ``lora_modules`` choice adapts: under ``attn``; under ``mlp`` (Gemma 3's MLP,
+# Gemma 4's dense MLP or its experts) or ``mlp2`` (the dense MLP beside Gemma 4's experts).
+_CHOSEN = {"attention": ("attn",), "mlp": ("mlp", "mlp2")}
+# gemma's wrappers of an Einsum and gemmalab's of a set of experts, named after the weight.
+_WRAPPER = re.compile(r"_LoRA(Einsum|Experts)_(.+)")
+_EXPERT_MODULES = {"gating_einsum": "experts_gating", "linear": "experts_linear"}
 TOKEN_ROWS = "token_rows"  # the adapter tree's key of the trained embedding rows' update
 
 
@@ -60,7 +95,19 @@ def wrap(model: Any, *, rank: int, alpha: float | None, modules: str, dtype: Any
            if f.init and f.name not in ("parent", "name")},
         lora_key=(rank, lora_scale, modules, str(dtype), tuple(token_ids)))
     return _lora_classes()[0](rank=rank, model=keyed, dtype=dtype, scale=lora_scale,
-                              modules=modules, token_ids=tuple(token_ids))
+                              modules=modules, token_ids=tuple(token_ids),
+                              unread=unread_projections(model.config))
+
+
+def unread_projections(model_config: Any) -> frozenset[tuple[str, ...]]:
+    """The paths of the key/value projections whose output no layer reads: Gemma 4's
+    KV-sharing layers attend with another layer's keys and values yet compute their own (their
+    gradient is zero, and Hugging Face's Gemma 4 has no ``k_proj``/``v_proj`` there)."""
+    if not gemma4.is_gemma4(model_config):
+        return frozenset()
+    return frozenset((f"layer_{i}", "attn", name)
+                     for i, source in enumerate(gemma4.sharing_pattern(model_config))
+                     if source != i for name in ("kv_einsum", "k_einsum"))
 
 
 def token_ids(model: Any) -> tuple[int, ...]:
@@ -80,10 +127,14 @@ def _keyed_class(model_class: type) -> type:
 @functools.cache
 def _lora_classes() -> tuple[type, type]:
     import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
     from gemma import peft
     from gemma.gm.nn import _layers, _lora
 
     gm = gemma_lib.gm()
+    gemma4_layers = gemma4.modules()._layers
+    experts_class = gemma4.experts_class()
 
     class _LoRAEinsum(_lora._LoRAEinsum):  # noqa: N801 - same name: flax names the params by it
         """gemma's LoRA einsum, its adapter's output scaled."""
@@ -96,24 +147,70 @@ def _lora_classes() -> tuple[type, type]:
                                              einsum_str=eqn, shape=self.wrapped.shape)
             return self.wrapped(eqn, x) + self.scale * adapter(x)
 
+    class _ExpertFactors(nn.Module):  # noqa: N801
+        """Each expert's ``x a_e b_e`` for the tokens routed to it (sorted by expert,
+        ``group_sizes`` each): ``a [E, in, r]`` drawn per expert as gemma draws ``a``, ``b
+        [E, r, *out]`` zeros."""
+
+        shape: tuple[int, ...]  # the experts' weight: [E, 2, H, D] (gate|up) or [E, H, D]
+        rank: int
+        dtype: Any
+
+        @nn.compact
+        def __call__(self, x: Any, group_sizes: Any) -> Any:
+            experts, inputs, outputs = _expert_factor_dims(self.shape)
+            a = self.param("a", nn.initializers.kaiming_uniform(batch_axis=(0,)),
+                           (experts, inputs, self.rank), self.dtype)
+            b = self.param("b", nn.initializers.zeros_init(),
+                           (experts, self.rank, *outputs), self.dtype)
+            dtype = jnp.result_type(x.dtype, a.dtype)  # as einsum would: the wider of the two
+            low = jax.lax.ragged_dot(x.astype(dtype), a.astype(dtype), group_sizes=group_sizes)
+            return jax.lax.ragged_dot(low, b.reshape(experts, self.rank, -1).astype(dtype),
+                                      group_sizes=group_sizes)
+
+    class _LoRAExperts(nn.Module):  # noqa: N801 - flax names the params by it, as _LoRAEinsum
+        """The experts' products (``gemma4.experts_class().ragged``) plus their adapters'."""
+
+        wrapped: Any
+        rank: int
+        dtype: Any
+        scale: float = 1.0
+
+        @nn.compact
+        def ragged(self, x: Any, group_sizes: Any) -> Any:
+            adapter = _ExpertFactors(name="lora", shape=tuple(self.wrapped.shape),
+                                     rank=self.rank, dtype=self.dtype)
+            return (self.wrapped.ragged(x, group_sizes)
+                    + self.scale * adapter(x, group_sizes))
+
     class LoRAModel(gm.nn.LoRA):
-        """``gm.nn.LoRA`` with PEFT's scaling, adapting only ``modules``' projections."""
+        """``gm.nn.LoRA`` with PEFT's scaling, adapting only ``modules``' projections (none of
+        the ``unread`` paths)."""
 
         scale: float = 1.0
         modules: str = "all"
         token_ids: tuple[int, ...] = ()
+        unread: frozenset[tuple[str, ...]] = frozenset()
 
         @nn.compact
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             # A free function, not a method: the interceptor would intercept a method call too.
             adapt = functools.partial(_adapt, rank=self.rank, dtype=self.dtype, scale=self.scale,
-                                      modules=self.modules)
+                                      modules=self.modules, unread=self.unread)
             with peft.ModuleInterceptor(adapt):
                 return self.model(*args, **kwargs)
 
-    def _adapt(module: Any, *, rank: int, dtype: Any, scale: float, modules: str) -> Any:
-        if not isinstance(module, _layers.Einsum) or not _selected(module.path, modules):
+    def _adapt(module: Any, *, rank: int, dtype: Any, scale: float, modules: str,
+               unread: frozenset[tuple[str, ...]]) -> Any:
+        einsum = isinstance(module, _layers.Einsum | gemma4_layers.Einsum)
+        if not (einsum or isinstance(module, experts_class)) or not _selected(
+                tuple(module.path), modules, unread):
             return module
+        if not einsum:
+            return _LoRAExperts(rank=rank, dtype=dtype, wrapped=module, scale=scale)
+        if getattr(module, "w_scale", None) is not None:  # merge and export would miss it
+            raise ValueError(f"LoRA on {'/'.join(module.path)}, an Einsum scaled by its "
+                             "w_scale, is not supported: add it to lora.EXCLUDED")
         # As gemma's LoRA: the MLP's two einsums share a scope, so their wrappers are named.
         name = None if module.weight_name == "w" else f"_LoRAEinsum_{module.weight_name}"
         return _LoRAEinsum(name=name, rank=rank, dtype=dtype, wrapped=module, scale=scale)
@@ -121,10 +218,21 @@ def _lora_classes() -> tuple[type, type]:
     return LoRAModel, _LoRAEinsum
 
 
-def _selected(path: tuple[str, ...], modules: str) -> bool:
+def _expert_factor_dims(shape: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
+    """``(experts, input width, output dims)`` of an expert weight: gate|up ``[E, 2, H, D]``
+    maps D to (2, H), down ``[E, H, D]`` maps H to D."""
+    if len(shape) == 4:
+        return shape[0], shape[3], (shape[1], shape[2])
+    return shape[0], shape[1], (shape[2],)
+
+
+def _selected(path: tuple[str, ...], modules: str,
+              unread: frozenset[tuple[str, ...]] = frozenset()) -> bool:
     if modules not in LORA_MODULES:
         raise ValueError(f"lora_modules must be one of {LORA_MODULES}, not {modules!r}")
-    return modules == "all" or {"attention": "attn", "mlp": "mlp"}[modules] in path
+    if path[-1] in EXCLUDED or path in unread:
+        return False
+    return modules == "all" or any(name in path for name in _CHOSEN[modules])
 
 
 def split(params: dict) -> tuple[dict, dict]:
@@ -167,9 +275,13 @@ def adapted_weights(adapters: dict) -> list[tuple[tuple[str, ...], str, Any, Any
                 wrapper = _WRAPPER.fullmatch(path[-1])
                 if wrapper is None:
                     raise ValueError(f"unexpected LoRA location {'/'.join(path)}")
-                named = wrapper.group(1)
-                # '_LoRAEinsum_0' wraps the module's 'w'; '_LoRAEinsum_linear' the MLP's 'linear'.
-                if named.isdigit():
+                kind, named = wrapper.groups()
+                # '_LoRAEinsum_0' wraps the module's 'w'; '_LoRAEinsum_linear' the MLP's 'linear';
+                # '_LoRAExperts_0' the experts' 'w' (their modules told from the MLP's names).
+                if kind == "Experts":
+                    found.append(((*path[:-1], "w"), _EXPERT_MODULES[path[-2]], value["a"],
+                                  value["b"]))
+                elif named.isdigit():
                     found.append(((*path[:-1], "w"), path[-2], value["a"], value["b"]))
                 else:
                     found.append(((*path[:-1], named), named, value["a"], value["b"]))
@@ -186,8 +298,18 @@ def delta(module: str, a: Any, b: Any, scale_: float) -> Any:
 
     if module not in DELTA_EINSUMS:
         raise ValueError(f"no LoRA merge rule for {module}: add one to DELTA_EINSUMS")
-    return scale_ * jnp.einsum(DELTA_EINSUMS[module], a.astype(jnp.float32),
-                               b.astype(jnp.float32))
+    dtype = _at_least_float32(a.dtype, b.dtype)
+    return scale_ * jnp.einsum(DELTA_EINSUMS[module], a.astype(dtype), b.astype(dtype))
+
+
+def _at_least_float32(*dtypes: Any) -> Any:
+    """float32, or float64 where a float64 tree is merged (its exactness checked to 1e-12)."""
+    import jax.numpy as jnp
+
+    wide = jnp.float32
+    for dtype in dtypes:
+        wide = jnp.promote_types(wide, dtype)
+    return wide
 
 
 def merge(base: dict, adapters: dict, scale_: float, dtype: Any = None,
@@ -213,7 +335,7 @@ def merge(base: dict, adapters: dict, scale_: float, dtype: Any = None,
         for key in path[:-1]:
             parent = parent[key]
         weight = parent[path[-1]]
-        updated = weight.astype("float32") + delta(module, a, b, scale_)
+        updated = weight.astype(_at_least_float32(weight.dtype)) + delta(module, a, b, scale_)
         parent[path[-1]] = updated.astype(dtype or weight.dtype)
     if dtype is not None:
         merged = jax.tree.map(lambda w: w.astype(dtype), merged)
@@ -239,8 +361,8 @@ def _abstract_adapters(model_config: Any, rank: int, modules: str, dtype: str) -
     import jax
     import jax.numpy as jnp
 
-    base = gemma_lib.gm().nn.Transformer(config=model_config, dtype=jnp.dtype(dtype))
-    model = wrap(base, rank=rank, alpha=None, modules=modules, dtype=jnp.dtype(dtype))
+    model = wrap(_plain_model(model_config, dtype), rank=rank, alpha=None, modules=modules,
+                 dtype=jnp.dtype(dtype))
     def init(key: Any) -> dict:  # a new function: jax caches traces of ``model.init`` by the
         # module's hash, which does not tell LoRA modules of different ``modules`` apart
         return model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]
@@ -255,8 +377,8 @@ def init_adapters(model_config: Any, *, rank: int, modules: str, dtype: str, see
     import jax
     import jax.numpy as jnp
 
-    base = gemma_lib.gm().nn.Transformer(config=model_config, dtype=jnp.dtype(dtype))
-    model = wrap(base, rank=rank, alpha=None, modules=modules, dtype=jnp.dtype(dtype))
+    model = wrap(_plain_model(model_config, dtype), rank=rank, alpha=None, modules=modules,
+                 dtype=jnp.dtype(dtype))
 
     @functools.partial(jax.jit, out_shardings=shardings)
     def draw(key: Any) -> dict:
@@ -267,3 +389,12 @@ def init_adapters(model_config: Any, *, rank: int, modules: str, dtype: str, see
         return adapters
 
     return draw(jax.random.key(seed))
+
+
+def _plain_model(model_config: Any, dtype: str) -> Any:
+    """gemma's Gemma 3 ``Transformer``, or gemmalab's Gemma 4 one, for ``model_config``."""
+    import jax.numpy as jnp
+
+    if gemma4.is_gemma4(model_config):
+        return gemma4.transformer_class()(config=model_config, dtype=jnp.dtype(dtype))
+    return gemma_lib.gm().nn.Transformer(config=model_config, dtype=jnp.dtype(dtype))

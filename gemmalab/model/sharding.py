@@ -41,6 +41,9 @@ RULES: dict[str, tuple[str | None, ...]] = {
     "router_scale": (),
     "per_expert_scale": (),
     "lora": (),  # LoRA adapters (gemmalab.model.lora): rank-r factors, small, replicated
+    # ... but for Gemma 4's experts': one pair an expert ([E, in, r], [E, r, ...]; 238M for
+    # 26B-A4B at rank 8), split over experts as their experts are, whole within each expert.
+    "lora_experts": ("expert",),
     # LoRA's trained embedding rows (gemmalab.model.lora.TOKEN_ROWS): a few, replicated.
     "token_rows": (),
 }
@@ -52,10 +55,11 @@ _EXPERT_RULES = {("gating_einsum", 4): "experts_gating", ("linear", 3): "experts
 
 def rule_name(path: tuple[Any, ...], ndim: int | None = None) -> str:
     """The rule a weight of ``ndim`` dimensions follows: its module's name (the leaf's own for
-    norms and Gemma 4's MLP weights), or its experts' rule."""
+    norms and Gemma 4's MLP weights), or its experts' rule; a LoRA adapter's, ``lora`` or (the
+    experts' adapters, ``lora.py``'s ``_LoRAExperts``) ``lora_experts``."""
     names = [entry.key for entry in path if isinstance(entry, jax.tree_util.DictKey)]
     if "lora" in names:
-        return "lora"
+        return "lora_experts" if any(n.startswith("_LoRAExperts") for n in names) else "lora"
     name = names[-2] if names and names[-1] == "w" and len(names) > 1 else names[-1]
     name = _EXPERT_RULES.get((name, ndim), name)
     if name not in RULES:
