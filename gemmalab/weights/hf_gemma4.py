@@ -32,14 +32,10 @@ from typing import Any
 import numpy as np
 
 from gemmalab.errors import ConfigError
-
-# The layout's shared helpers (hf_layout imports this module inside its functions only).
-from gemmalab.weights.hf_layout import (
-    _flatten,
-    _heads_in_to_linear,
-    _layer_names,
-    _linear_to_heads_in,
-)
+from gemmalab.weights.hf_shapes import flatten as _flatten
+from gemmalab.weights.hf_shapes import heads_in_to_linear as _heads_in_to_linear
+from gemmalab.weights.hf_shapes import layer_names as _layer_names
+from gemmalab.weights.hf_shapes import linear_to_heads_in as _linear_to_heads_in
 
 # Gemma 4's own chat format (gemma's ``dialog`` GEMMA4 turns; written here, not Hugging Face's
 # hub template, which also renders tools and thinking): a real system role, "assistant" read as

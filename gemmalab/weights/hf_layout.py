@@ -29,7 +29,11 @@ from typing import Any
 import numpy as np
 
 from gemmalab.errors import ConfigError
-from gemmalab.weights import safetensors_io
+from gemmalab.weights import hf_gemma4, safetensors_io
+from gemmalab.weights.hf_shapes import flatten as _flatten
+from gemmalab.weights.hf_shapes import heads_in_to_linear as _heads_in_to_linear
+from gemmalab.weights.hf_shapes import layer_names as _layer_names
+from gemmalab.weights.hf_shapes import linear_to_heads_in as _linear_to_heads_in
 
 EXPORT_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 
@@ -44,16 +48,6 @@ _NORMS = {
     ("attn", "_query_norm", "scale"): "self_attn.q_norm",
     ("attn", "_key_norm", "scale"): "self_attn.k_norm",
 }
-
-
-def _heads_in_to_linear(w: Any) -> Any:
-    """``[heads, embed, head_dim]`` (q/k/v einsum) -> HF ``[heads * head_dim, embed]``."""
-    return w.transpose(0, 2, 1).reshape(-1, w.shape[1])
-
-
-def _linear_to_heads_in(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    heads, embed, head_dim = shape
-    return x.reshape(heads, head_dim, embed).transpose(0, 2, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,20 +95,6 @@ def _block_rules(transpose_gating: bool) -> dict[tuple[str, ...], _Rule]:
     return rules
 
 
-def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, (*prefix, key)))
-        else:
-            flat[(*prefix, key)] = value
-    return flat
-
-
-def _layer_names(params: dict) -> list[str]:
-    return sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
-
-
 def _is_gemma4(model_config: Any) -> bool:
     from gemmalab.model import presets
 
@@ -136,8 +116,6 @@ def hf_tensors(params: dict, model_config: Any, dtype: str = "bfloat16"
             lambda: np.asarray(convert(np.asarray(leaf, np.float32))).astype(out_dtype))
 
     if _is_gemma4(model_config):
-        from gemmalab.weights import hf_gemma4
-
         return hf_gemma4.export_tensors(
             params, model_config,
             lambda name, leaf, convert: tensor(f"model.{name}", leaf, convert))
@@ -197,8 +175,6 @@ def hf_to_gemma(tensors: dict[str, np.ndarray], expected: Any,
 
     params: dict[str, Any] = {}
     if _is_gemma4_tree(expected):
-        from gemmalab.weights import hf_gemma4
-
         hf_gemma4.import_params(
             lambda name: tensors[f"{prefix}{name}"], lambda name: f"{prefix}{name}" in tensors,
             lambda path, value, leaf: put(params, path, value, leaf), expected,
@@ -287,8 +263,6 @@ def hf_config(model_config: Any, *, dtype: str = "bfloat16", bos_id: int = 2, eo
     them (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling``, ``torch_dtype``), for 4.x.
     """
     if _is_gemma4(model_config):
-        from gemmalab.weights import hf_gemma4
-
         return hf_gemma4.hf_config(model_config, dtype=dtype, bos_id=bos_id, eos_id=eos_id,
                                    pad_id=pad_id)
     _require_gemma3_blocks(model_config)
@@ -380,8 +354,6 @@ def _read_vocabulary(tokenizer: str | Path | bytes) -> _Vocabulary:
     special = {role: processor.IdToPiece(i) for role, i in ids.items() if i >= 0}
     # The template follows the turn pieces the run's tokenizer has (what its chat data was
     # encoded with): Gemma 4's <|turn>/<turn|>, else Gemma 3's <start_of_turn>/<end_of_turn>.
-    from gemmalab.weights import hf_gemma4
-
     for end, template in ((hf_gemma4.END_OF_TURN, hf_gemma4.CHAT_TEMPLATE),
                           ("<end_of_turn>", CHAT_TEMPLATE)):
         end_of_turn = processor.PieceToId(end)
@@ -563,6 +535,4 @@ def unexported_paths(model_config: Any) -> set[tuple[str, ...]]:
     Gemma 4's KV-sharing layers' own keys and values, unused by gemma; none in Gemma 3."""
     if not _is_gemma4(model_config):
         return set()
-    from gemmalab.weights import hf_gemma4
-
     return hf_gemma4.unexported_paths(model_config)
