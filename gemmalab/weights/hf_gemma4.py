@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from gemmalab.errors import ConfigError
+from gemmalab.weights.hf_shapes import config_constants
 from gemmalab.weights.hf_shapes import flatten as _flatten
 from gemmalab.weights.hf_shapes import heads_in_to_linear as _heads_in_to_linear
 from gemmalab.weights.hf_shapes import layer_names as _layer_names
@@ -289,17 +290,8 @@ def hf_config(model_config: Any, *, dtype: str, bos_id: int, eos_id: int | list[
         "num_experts": model_config.num_experts if moe else None,
         "top_k_experts": model_config.top_k_experts if moe else None,
         "moe_intermediate_size": model_config.expert_dim if moe else None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
         "use_bidirectional_attention": None,
-        "use_cache": True,
-        "tie_word_embeddings": True,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "dtype": dtype,
-        "torch_dtype": dtype,
+        **config_constants(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, dtype=dtype),
     }
 
 

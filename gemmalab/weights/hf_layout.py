@@ -30,6 +30,7 @@ import numpy as np
 
 from gemmalab.errors import ConfigError
 from gemmalab.weights import hf_gemma4, safetensors_io
+from gemmalab.weights.hf_shapes import config_constants
 from gemmalab.weights.hf_shapes import flatten as _flatten
 from gemmalab.weights.hf_shapes import heads_in_to_linear as _heads_in_to_linear
 from gemmalab.weights.hf_shapes import layer_names as _layer_names
@@ -295,17 +296,8 @@ def hf_config(model_config: Any, *, dtype: str = "bfloat16", bos_id: int = 2, eo
         "max_position_embeddings": 131_072 if model_config.global_scale_factor > 1 else 32_768,
         "final_logit_softcapping": model_config.final_logit_softcap,
         "attn_logit_softcapping": model_config.attn_logits_soft_cap,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
         "use_bidirectional_attention": False,
-        "use_cache": True,
-        "tie_word_embeddings": True,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "dtype": dtype,
-        "torch_dtype": dtype,
+        **config_constants(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, dtype=dtype),
     }
     pattern = _sliding_window_pattern(layer_types)
     if pattern is not None:

@@ -29,5 +29,13 @@ def flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], A
     return flat
 
 
+def config_constants(*, bos_id: int, eos_id: Any, pad_id: int, dtype: str) -> dict[str, Any]:
+    """The ``config.json`` fields every Gemma text model shares: no biases or dropout, tied
+    embeddings, the special ids and the weights' dtype."""
+    return {"attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+            "use_cache": True, "tie_word_embeddings": True, "bos_token_id": bos_id,
+            "eos_token_id": eos_id, "pad_token_id": pad_id, "dtype": dtype, "torch_dtype": dtype}
+
+
 def layer_names(params: dict) -> list[str]:
     return sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
