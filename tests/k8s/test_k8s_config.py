@@ -202,3 +202,19 @@ def test_mesh_and_any_train_field_are_passed_and_checked_against_the_slice():
                       params={"mesh": {"data": -1, "tensor": 2}, "batch_size": 6})
     with pytest.raises(ConfigError, match=r"^params\.mesh: .* uses 3 devices but there are 8"):
         ClusterConfig(accelerator="v6e", topology="2x4", params={"mesh": {"data": 3}})
+
+
+def test_a_gemma4_job_is_checked_like_a_gemma3_one():
+    """``-p model gemma4-e4b -p checkpoint GEMMA4_E4B_PT``: resolved with Gemma 4's tokenizer;
+    another generation's checkpoint refused by name before anything is submitted."""
+    from gemmalab.k8s.config import check_notebook_params
+
+    config, _ = check_notebook_params({"model": "gemma4-e4b", "checkpoint": "GEMMA4_E4B_PT",
+                                       "lora_rank": 16})
+    assert (config.model.preset, config.model.tokenizer) == ("gemma4-e4b", "gemma4")
+    moe, _ = check_notebook_params({"checkpoint": "GEMMA4_26B_A4B_IT",
+                                    "mesh": {"expert": 4, "fsdp": -1}})
+    assert moe.model.preset == "gemma4-26b-a4b" and moe.runtime.mesh == {"expert": 4, "fsdp": -1}
+    with pytest.raises(ConfigError, match="^params.checkpoint: GEMMA3_4B_PT does not fit model "
+                                          "'gemma4-e4b'"):
+        check_notebook_params({"model": "gemma4-e4b", "checkpoint": "GEMMA3_4B_PT"})
