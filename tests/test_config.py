@@ -73,7 +73,7 @@ def test_a_recipe_is_the_base_of_a_notebooks_parameters():
     assert TrainConfig.from_parameters({"recipe": ""}) == TrainConfig()
     assert TrainConfig.from_parameters({"recipe": "tiny"}) == TrainConfig()
     with pytest.raises(ConfigError, match="^recipe: unknown recipe 'demo2'. Fix: use one of "
-                       "demo, tiny, tutorial"):
+                       "demo, tiny, gemma4-tiny, gemma4-tiny-moe, tutorial"):
         TrainConfig.from_parameters({"recipe": "demo2"})
 
 

@@ -58,7 +58,7 @@ def test_the_pretrained_base_reads_english(experiment):
     batch = {"tokens": tokens, "targets": targets, "loss_mask": mask,
              "positions": np.arange(128, dtype=np.int32)[None],
              "segment_ids": mask.copy()}
-    total, count = jax.jit(lambda p, b: optimization.forward_loss(
+    total, count, _ = jax.jit(lambda p, b: optimization.forward_loss(
         experiment.base_model, p, b, jnp.bfloat16))(experiment.weights.frozen, batch)
     perplexity = math.exp(float(total) / float(count))
     assert 1.0 < perplexity < PERPLEXITY_BOUND, perplexity
