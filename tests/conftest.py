@@ -140,7 +140,9 @@ LONGEST_FIRST = ("notebook-copies", "tests/model/test_attention.py", "tests/test
                  "local-cluster", "tests/test_notebook_regression.py", "tests/train/test_resume.py",
                  "tests/test_notebooks.py", "tests/train/test_real_base.py",
                  "tests/model/test_sharding.py", "tests/train/test_multiprocess.py",
-                 "tests/test_lab.py", "tests/weights/test_export.py", "tests/model/test_lora.py")
+                 "tests/model/test_lora_gemma4.py", "tests/model/test_gemma4.py",
+                 "tests/test_lab.py", "tests/weights/test_export.py", "tests/model/test_lora.py",
+                 "tests/weights/test_peft_gemma4.py", "tests/weights/test_hf_gemma4.py")
 
 
 def worker_scope(nodeid: str) -> str:
