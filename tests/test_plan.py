@@ -547,3 +547,21 @@ def test_an_expert_axis_splits_the_experts_weights_in_the_plan():
     assert plan.spread_meshes("gemma4-31b") == [{"fsdp": -1}]
     with pytest.raises(ConfigError, match="^mesh: an expert axis of 8 splits nothing"):
         plan.estimate(config.replace(model="gemma4-31b", mesh={"expert": -1}), accelerator)
+
+
+def test_a_mixtures_expert_adapters_are_held_split_and_run_top_k():
+    """LoRA on the 26B-A4B: each expert's adapters live with their expert (split over the expert
+    axis: an eighth a chip on expert 8) and a token runs only its top 8 experts' adapters."""
+    import jax
+
+    config = TrainConfig.flat(model="gemma4-26b-a4b", tokenizer="gemma4", batch_size=8,
+                              maxlen=512, lora_rank=16, mesh={"expert": -1})
+    split = plan.estimate(config, plan.parse_accelerator("v6e:2x4"))
+    moe = presets.model_config("gemma4-26b-a4b", plan.GEMMA3_VOCAB)
+    tree = plan.adapter_params(moe, config.lora, "float32")
+    experts = sum(leaf.size for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+                  if sharding.rule_name(path, leaf.ndim) == "lora_experts")
+    total = sum(leaf.size for leaf in jax.tree.leaves(tree))
+    assert experts == 16 * 7_744 * 128 * 30  # rank x (a and b of one expert) x experts x layers
+    assert split.breakdown["optimizer"] == 2 * 4 * (total - experts + experts // 8)
+    assert plan.active_adapters(moe, tree) == total - experts + experts * 8 // 128

@@ -27,6 +27,7 @@ from gemmalab.plan.roofline import Roofline, check_price, model_flops, run_steps
 from gemmalab.plan.shapes import (
     BATCH_FIELD_COUNT,
     abstract_params,
+    active_adapters,
     adapter_params,
     block_dims,
     expert_activations,
@@ -234,11 +235,17 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
         if FSDP_AXIS in tuple(spec):
             gathered[module] = gathered.get(module, 0) + whole
     num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
-    # Without LoRA every weight trains; with it the adapters (replicated) train and the base
-    # weights are held once, frozen, in the compute dtype.
-    adapters = sum(leaf.size for leaf in jax.tree.leaves(adapter_params(model_config, config.lora,
-                                                                     config.model.param_dtype)))
-    trained = adapters if config.lora.rank else sum(shards.values())
+    # Without LoRA every weight trains; with it the adapters train (replicated, bar the experts'
+    # split over the expert axis) and the base weights are held once, frozen, in the compute
+    # dtype.
+    adapter_tree = adapter_params(model_config, config.lora, config.model.param_dtype)
+    adapters = sum(leaf.size for leaf in jax.tree.leaves(adapter_tree))
+    held_adapters = sum(
+        math.prod(dim // _ways(axis, sizes) for dim, axis in
+                  zip(leaf.shape, tuple(sharding.weight_spec(path, leaf.shape, abstract_mesh))
+                      + (None,) * leaf.ndim, strict=False))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(adapter_tree))
+    trained = held_adapters if config.lora.rank else sum(shards.values())
     base_size = c_size if config.lora.rank else p_size
     weights = trained * p_size
     accumulating = config.trainer.grad_accum_steps > 1
@@ -278,8 +285,8 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
         param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
         breakdown=breakdown,
         flops_per_step=model_flops(model_config, num_params, batch_size=config.trainer.batch_size,
-                                   maxlen=config.data.maxlen, lora=config.lora.enabled,
-                                   dpo=dpo, adapters=adapters),
+                                   maxlen=config.data.maxlen, lora=config.lora.enabled, dpo=dpo,
+                                   adapters=active_adapters(model_config, adapter_tree)),
         num_params=num_params + adapters, lora_rank=config.lora.rank,
         trainable_params=adapters if config.lora.rank else num_params,
         traffic=traffic_bytes(model_config, sizes, accelerator, model=config.model,

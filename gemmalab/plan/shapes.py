@@ -84,6 +84,23 @@ def matmul_params(model_config: Any, num_params: int) -> int:
     return num_params - lookup - experts
 
 
+def active_adapters(model_config: Any, adapters: Any) -> int:
+    """The LoRA weights of ``adapters`` (a tree) that one token multiplies: all of them, but of
+    a mixture's per-expert adapters only those of the ``top_k_experts`` experts that run it."""
+    import jax
+
+    from gemmalab.model import sharding
+
+    total = experts = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(adapters):
+        total += leaf.size
+        if sharding.rule_name(path, leaf.ndim) == "lora_experts":
+            experts += leaf.size
+    if not experts:
+        return total
+    return total - experts + experts * model_config.top_k_experts // model_config.num_experts
+
+
 def expert_activations(model_config: Any) -> int:
     """Per token of one layer of a mixture of experts, what its experts keep for the backward
     pass: for each of its ``top_k_experts``, the sorted input and output copies and the gate,

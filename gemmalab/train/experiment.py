@@ -39,6 +39,7 @@ from gemmalab.model import lora, mesh, presets, sampling
 from gemmalab.plan.fit import require_fits
 from gemmalab.plan.memory import MemoryPlan, estimate
 from gemmalab.plan.roofline import model_flops
+from gemmalab.plan.shapes import active_adapters
 from gemmalab.train import (
     checkpoints,
     compile_cache,
@@ -183,7 +184,9 @@ class Experiment:
         flops = metrics.FlopAccounting.of_run(
             model_flops(prepared.model_config, weights.num_params - adapters,
                         batch_size=config.trainer.batch_size, maxlen=config.data.maxlen,
-                        lora=config.lora.enabled, dpo=dpo, adapters=adapters),
+                        lora=config.lora.enabled, dpo=dpo,
+                        adapters=(active_adapters(prepared.model_config, weights.state.params)
+                                  if adapters else 0)),
             devices, host_peak_flops_per_s=host_rate)
         preference = _preference(config, base_model, data)
         eval_step = optimization.make_eval_step(model, jnp.dtype(config.model.compute_dtype),
