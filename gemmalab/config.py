@@ -20,6 +20,9 @@ from gemmalab.errors import ConfigError, require
 PRESET_NAMES = ("gemma3-tiny", "gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
                 "gemma4-tiny", "gemma4-tiny-moe", "gemma4-e2b", "gemma4-e4b", "gemma4-31b",
                 "gemma4-26b-a4b")
+# The experts in each layer of the mixtures of experts (read from gemma's configs: a test holds
+# them to gemmalab.model.presets.expert_count); an expert mesh axis must divide them.
+EXPERT_COUNTS = {"gemma4-tiny-moe": 8, "gemma4-26b-a4b": 128}
 # Presets built for tests and quick runs: random init, any tokenizer (gemmalab.model.presets).
 TINY_PRESETS = ("gemma3-tiny", "gemma4-tiny", "gemma4-tiny-moe")
 TOKENIZER_NAMES = ("local", "gemma3", "gemma4")

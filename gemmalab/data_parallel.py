@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from gemmalab.config import DATA_AXIS, EXPERT_AXIS, FSDP_AXIS
+from gemmalab.config import DATA_AXIS, EXPERT_AXIS, EXPERT_COUNTS, FSDP_AXIS
 from gemmalab.errors import ConfigError
 
 # The batch is split over every axis that holds different examples.
@@ -37,3 +37,21 @@ def check_batch_split(batch_size: int, ways: int, grad_accum_steps: int = 1, *,
     accum = f" x {grad_accum_steps} micro-batches" if grad_accum_steps > 1 else ""
     raise ConfigError("batch_size", f"{batch_size} is not divisible by the {ways} data-parallel "
                       f"ways{accum} of {where}", f"use a multiple of {size}, e.g. {nearest}")
+
+
+def check_expert_axis(sizes: Mapping[str, int], model: str) -> None:
+    """An ``expert`` axis splits a mixture's experts (``EXPERT_COUNTS``) evenly, and splits
+    nothing in a dense model: one line naming ``mesh`` otherwise. The run, the plan and the
+    cluster config check it here."""
+    ways = int(sizes.get(EXPERT_AXIS, 1))
+    if ways == 1:
+        return
+    experts = EXPERT_COUNTS.get(model, 0)
+    if not experts:
+        raise ConfigError("mesh", f"an expert axis of {ways} splits nothing: {model} has no "
+                          "experts", "drop 'expert' from mesh (give its devices to data or fsdp)")
+    if experts % ways:
+        fits = [n for n in range(2, experts + 1) if experts % n == 0 and n <= ways * 2]
+        raise ConfigError("mesh", f"the expert axis ({ways}) does not divide {model}'s "
+                          f"{experts} experts", f"use an expert size that divides {experts}, "
+                          f"e.g. {fits[-1] if fits else 1}")

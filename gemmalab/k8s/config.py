@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gemmalab.config import FLAT_NAMES, TrainConfig
-from gemmalab.data_parallel import batch_ways, check_batch_split
+from gemmalab.data_parallel import batch_ways, check_batch_split, check_expert_axis
 from gemmalab.errors import ConfigError, require
 from gemmalab.k8s import accelerators
 from gemmalab.k8s.accelerators import HostResources, TpuSlice
@@ -222,20 +222,24 @@ class ClusterConfig:
         ways = self._data_parallel_size()
         try:
             check_batch_split(batch, ways, accum, where=self.describe())
+            check_expert_axis(self._mesh_sizes(), resolved.model.preset)
         except ConfigError as e:  # the notebook's parameter
             raise ConfigError(f"params.{e.parameter}", e.problem, e.fix) from None
 
     def _data_parallel_size(self) -> int:
         """How many ways the batch splits on this cluster (the mesh's data x fsdp x expert)."""
+        return self.num_slices * batch_ways(self._mesh_sizes())
+
+    def _mesh_sizes(self) -> dict[str, int]:
+        """The mesh axes' sizes on one slice of this cluster."""
         from gemmalab.config import resolve_mesh_shape
 
         per_slice = self.total_devices // self.num_slices
         try:
-            sizes = resolve_mesh_shape(self.params.get("mesh"), per_slice)
+            return resolve_mesh_shape(self.params.get("mesh"), per_slice)
         except ConfigError as e:
             raise ConfigError(f"params.{e.parameter}", f"{e.problem} (per slice of "
                               f"{self.describe()})", e.fix) from None
-        return self.num_slices * batch_ways(sizes)
 
     def _check_lifecycle(self) -> None:
         for field in ("termination_grace_period_s", "backoff_limit", "max_restarts",

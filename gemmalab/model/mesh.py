@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gemmalab.config import AXES, DATA_AXIS, EXPERT_AXIS, resolve_mesh_shape
+from gemmalab.config import AXES, DATA_AXIS, resolve_mesh_shape
 from gemmalab.data_parallel import BATCH_AXES, batch_ways, check_batch_split
 from gemmalab.errors import ConfigError
 
@@ -52,22 +52,6 @@ def _slices(devices: list[Any], num_slices: int) -> list[list[Any]]:
         return [[d for d in devices if d.slice_index == i] for i in indices]
     per_slice = len(devices) // num_slices
     return [devices[i * per_slice:(i + 1) * per_slice] for i in range(num_slices)]
-
-
-def check_expert_axis(sizes: Mapping[str, int], num_experts: int, model: str) -> None:
-    """An ``expert`` axis splits a mixture's experts evenly, and splits nothing in a dense
-    model (``num_experts`` 0): one line naming ``mesh`` otherwise."""
-    ways = int(sizes.get(EXPERT_AXIS, 1))
-    if ways == 1:
-        return
-    if not num_experts:
-        raise ConfigError("mesh", f"an expert axis of {ways} splits nothing: {model} has no "
-                          "experts", "drop 'expert' from mesh (give its devices to data or fsdp)")
-    if num_experts % ways:
-        fits = [n for n in range(2, num_experts + 1) if num_experts % n == 0 and n <= ways * 2]
-        raise ConfigError("mesh", f"the expert axis ({ways}) does not divide {model}'s "
-                          f"{num_experts} experts", f"use an expert size that divides "
-                          f"{num_experts}, e.g. {fits[-1] if fits else 1}")
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from gemmalab.accelerators import CHIPS, GIB, Accelerator, parse_accelerator, topology_chips
-from gemmalab.config import REMAT_POLICIES, TrainConfig
+from gemmalab.config import EXPERT_COUNTS, REMAT_POLICIES, TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.plan.memory import MemoryPlan, estimate
 from gemmalab.weights import resolution
@@ -59,9 +59,7 @@ def spread_meshes(preset_name: str) -> list[dict[str, int]]:
     """The layouts that spread a model's weights over every chip: fsdp, and for a mixture of
     experts also its experts over an ``expert`` axis (alone, or with fsdp splitting the rest;
     a layout whose axis does not divide the experts or the chips is skipped by the caller)."""
-    from gemmalab.model import presets
-
-    if not presets.expert_count(preset_name):
+    if not EXPERT_COUNTS.get(preset_name):
         return [{"fsdp": -1}]
     return [{"fsdp": -1}, {"expert": -1}, *({"expert": n, "fsdp": -1} for n in (2, 4, 8))]
 

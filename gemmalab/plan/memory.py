@@ -21,7 +21,7 @@ from gemmalab.config import (
     TrainerConfig,
     resolve_mesh_shape,
 )
-from gemmalab.data_parallel import batch_ways, check_batch_split
+from gemmalab.data_parallel import batch_ways, check_batch_split, check_expert_axis
 from gemmalab.errors import ConfigError
 from gemmalab.plan.roofline import Roofline, check_price, model_flops, run_steps, traffic_bytes
 from gemmalab.plan.shapes import (
@@ -204,14 +204,13 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
     from jax.sharding import AbstractMesh
 
     from gemmalab.model import presets, sharding
-    from gemmalab.model.mesh import check_expert_axis
 
     price_per_chip_hour = check_price(price_per_chip_hour)
     if isinstance(accelerator, str):
         accelerator = parse_accelerator(accelerator)
     sizes = resolved_mesh(config.runtime, accelerator.chips)
     abstract_mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
-    check_expert_axis(sizes, presets.expert_count(config.model.preset), config.model.preset)
+    check_expert_axis(sizes, config.model.preset)
     data_ways = batch_ways(sizes)
     check_batch_split(config.trainer.batch_size, data_ways, config.trainer.grad_accum_steps,
                       where=f"mesh {sizes} on {accelerator.name}")

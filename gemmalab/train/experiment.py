@@ -34,6 +34,7 @@ from gemmalab.data import chat as chat_template
 from gemmalab.data import packing
 from gemmalab.data.documents import CONVERSATIONAL
 from gemmalab.data.preparation import PreparedData, TrainingData, prepare_data, training_data
+from gemmalab.data_parallel import check_expert_axis
 from gemmalab.errors import ConfigError, TrainingDiverged
 from gemmalab.model import lora, mesh, presets, sampling
 from gemmalab.plan.fit import require_fits
@@ -109,8 +110,7 @@ class Experiment:
         mesh.check_batch_size(
             config.trainer.batch_size, device_mesh, config.trainer.grad_accum_steps
         )
-        mesh.check_expert_axis(device_mesh.shape, presets.expert_count(config.model.preset),
-                               config.model.preset)
+        check_expert_axis(device_mesh.shape, config.model.preset)
         if storage.is_gcs(config.runtime.output_dir):
             storage.require_gcs_credentials("output_dir", config.runtime.output_dir)
         checkpoint = sources.resolve(

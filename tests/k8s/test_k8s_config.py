@@ -218,3 +218,10 @@ def test_a_gemma4_job_is_checked_like_a_gemma3_one():
     with pytest.raises(ConfigError, match="^params.checkpoint: GEMMA3_4B_PT does not fit model "
                                           "'gemma4-e4b'"):
         check_notebook_params({"model": "gemma4-e4b", "checkpoint": "GEMMA3_4B_PT"})
+    with pytest.raises(ConfigError, match="^params.mesh: an expert axis of 8 splits nothing"):
+        ClusterConfig(accelerator="v6e", topology="2x4",
+                      params={"model": "gemma4-31b", "tokenizer": "gemma4", "batch_size": 8,
+                              "mesh": {"expert": -1}})
+    ClusterConfig(accelerator="v6e", topology="2x4",
+                  params={"checkpoint": "GEMMA4_26B_A4B_IT", "batch_size": 8,
+                          "mesh": {"expert": -1}})
