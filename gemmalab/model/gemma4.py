@@ -60,10 +60,9 @@ def modules() -> Any:
 
 
 def is_gemma4(config: Any) -> bool:
-    """Whether ``config`` is a Gemma 4 ``TransformerConfig`` (not Gemma 3's)."""
-    from gemma.gm.nn.gemma4 import _config
-
-    return isinstance(config, _config.TransformerConfig)
+    """Whether a gemma ``TransformerConfig`` is Gemma 4's (else Gemma 3's), by its class's
+    package (nothing imported)."""
+    return type(config).__module__.startswith("gemma.gm.nn.gemma4")
 
 
 def text_config(gemma_class: str, vocab_size: int | None = None) -> Any:

@@ -15,6 +15,7 @@ from gemmalab import gemma_lib
 from gemmalab.config import PRESET_NAMES, REMAT_POLICIES, TINY_PRESETS
 from gemmalab.errors import ConfigError
 from gemmalab.model import attention as attention_lib
+from gemmalab.model import gemma4
 
 if TYPE_CHECKING:
     from gemma import gm
@@ -98,8 +99,6 @@ def model_config(preset_name: str, vocab_size: int, num_layers: int | None = Non
         return config
     check_num_layers(preset_name, num_layers)
     if PRESETS[preset_name].family == "gemma4":
-        from gemmalab.model import gemma4
-
         return gemma4.cut(config, num_layers)
     # The pattern's tail: the tiny preset and the 270M end on their global layer.
     return dataclasses.replace(config, attention_types=config.attention_types[-num_layers:])
@@ -127,8 +126,6 @@ def _whole_config(preset_name: str, vocab_size: int) -> gm.nn.config.Transformer
 
     preset = PRESETS[preset_name]
     if preset.family == "gemma4":
-        from gemmalab.model import gemma4
-
         if preset.tiny:
             return gemma4.tiny_config(moe=preset_name.endswith("-moe"), vocab_size=vocab_size)
         return gemma4.text_config(preset.gemma_class)
@@ -156,9 +153,7 @@ def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
     gm = gemma_lib.gm()
     if remat not in REMAT_POLICIES:
         raise ConfigError("remat", f"unknown policy {remat!r}", f"use one of {REMAT_POLICIES}")
-    if is_gemma4(config):
-        from gemmalab.model import gemma4
-
+    if gemma4.is_gemma4(config):
         if attention not in ("auto", "gemma"):  # the fused kernels read Gemma 3's attention
             raise ConfigError("attention", f"{attention!r} is not wired for Gemma 4's attention "
                               "(global heads of another width, shared keys and values)",
@@ -176,16 +171,9 @@ def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
 def plain_model(config: Any, param_dtype: Any) -> Any:
     """gemma's model for ``config`` as gemma defines it (no remat, gemma's attention): what the
     parameter tree's shapes are traced from."""
-    if is_gemma4(config):
-        from gemmalab.model import gemma4
-
+    if gemma4.is_gemma4(config):
         return gemma4.transformer_class()(config=config, dtype=param_dtype)
     return gemma_lib.gm().nn.Transformer(config=config, dtype=param_dtype)
-
-
-def is_gemma4(config: Any) -> bool:
-    """Whether a gemma ``TransformerConfig`` is Gemma 4's (else Gemma 3's)."""
-    return type(config).__module__.startswith("gemma.gm.nn.gemma4")
 
 
 def attention_kernel(attention: str, config: gm.nn.config.TransformerConfig, mesh: Any = None
@@ -267,19 +255,19 @@ def init_params(model: gm.nn.Transformer, *, seed: int, sample_length: int,
     import jax.numpy as jnp
 
     config = model.config
-    gemma4 = is_gemma4(config)
+    family4 = gemma4.is_gemma4(config)
     # gating_einsum is [2, hidden, embed] when transposed (Gemma 3; always in Gemma 4), else
     # [2, embed, hidden].
-    gating_fan_in = 2 if gemma4 or config.transpose_gating_einsum else 1
+    gating_fan_in = 2 if family4 or config.transpose_gating_einsum else 1
     depth_scale = 1.0 / math.sqrt(2 * config.num_layers)
 
     def std_of(path: Any, weight: Any) -> float | str:
         """The weight's init std, or "zeros"/"ones" for a 1-D scale."""
         names = [getattr(entry, "key", "") for entry in path]
         if weight.ndim < 2:
-            if gemma4 and names[-1] in _GEMMA4_UNIT_VECTORS:
+            if family4 and names[-1] in _GEMMA4_UNIT_VECTORS:
                 return "ones"
-            if not gemma4 and names[-1] == "scale":
+            if not family4 and names[-1] == "scale":
                 return "zeros"
             raise ValueError(f"no init rule for parameter {jax.tree_util.keystr(path)}")
         name = next((n for n in reversed(names)

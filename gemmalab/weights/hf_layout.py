@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from gemmalab.errors import ConfigError
+from gemmalab.model import gemma4
 from gemmalab.weights import hf_gemma4, safetensors_io
 from gemmalab.weights.hf_shapes import config_constants
 from gemmalab.weights.hf_shapes import flatten as _flatten
@@ -96,12 +97,6 @@ def _block_rules(transpose_gating: bool) -> dict[tuple[str, ...], _Rule]:
     return rules
 
 
-def _is_gemma4(model_config: Any) -> bool:
-    from gemmalab.model import presets
-
-    return presets.is_gemma4(model_config)
-
-
 def hf_tensors(params: dict, model_config: Any, dtype: str = "bfloat16"
                ) -> list[safetensors_io.Tensor]:
     """The ``Gemma3ForCausalLM`` (``Gemma4ForCausalLM``) tensors of a gemma params tree, in
@@ -116,7 +111,7 @@ def hf_tensors(params: dict, model_config: Any, dtype: str = "bfloat16"
             name, tuple(shape), out_dtype,
             lambda: np.asarray(convert(np.asarray(leaf, np.float32))).astype(out_dtype))
 
-    if _is_gemma4(model_config):
+    if gemma4.is_gemma4(model_config):
         return hf_gemma4.export_tensors(
             params, model_config,
             lambda name, leaf, convert: tensor(f"model.{name}", leaf, convert))
@@ -263,7 +258,7 @@ def hf_config(model_config: Any, *, dtype: str = "bfloat16", bos_id: int = 2, eo
     Written for transformers 5 (``rope_parameters``, ``dtype``) and, with the older keys beside
     them (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling``, ``torch_dtype``), for 4.x.
     """
-    if _is_gemma4(model_config):
+    if gemma4.is_gemma4(model_config):
         return hf_gemma4.hf_config(model_config, dtype=dtype, bos_id=bos_id, eos_id=eos_id,
                                    pad_id=pad_id)
     _require_gemma3_blocks(model_config)
@@ -525,6 +520,6 @@ _FAMILY_NAMES = {"gemma3": "Gemma 3", "gemma4": "Gemma 4"}
 def unexported_paths(model_config: Any) -> set[tuple[str, ...]]:
     """The params HF's layout has no place for (their import fills them; see ``hf_gemma4``):
     Gemma 4's KV-sharing layers' own keys and values, unused by gemma; none in Gemma 3."""
-    if not _is_gemma4(model_config):
+    if not gemma4.is_gemma4(model_config):
         return set()
     return hf_gemma4.unexported_paths(model_config)
