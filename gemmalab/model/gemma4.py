@@ -52,9 +52,12 @@ TINY_MOE = dict(embed_dim=128, hidden_dim=256, moe_dense_hidden_dim=256, num_hea
 
 
 def modules() -> Any:
-    """gemma's Gemma 4 package (imported on first use: gemma pulls tensorflow)."""
+    """gemma's Gemma 4 package with its submodules loaded (imported on first use: gemma pulls
+    tensorflow). The package's ``__init__`` does not import ``_layers`` itself, so a fresh
+    process must, whatever ran before."""
     gemma_lib.gm()
     from gemma.gm.nn import gemma4
+    from gemma.gm.nn.gemma4 import _layers, _modules, _moe, _transformer  # noqa: F401
 
     return gemma4
 

@@ -265,3 +265,16 @@ def test_a_tiny_gemma4_lora_run_trains_only_its_adapters(name, tmp_path, cache_d
         moved[module] |= bool(np.any(np.asarray(b) != b0))
     assert all(moved.values()), moved  # every kind of adapter learned, the experts' included
     assert summary["trainable_params"] == sum(x.size for x in jax.tree.leaves(state))
+
+
+def test_the_lora_classes_build_in_a_fresh_process():
+    """gemma's ``gemma4`` package does not import its own submodules: the wrapper classes must
+    build in a process where nothing else loaded them first (a CI ordering once hid this)."""
+    import subprocess
+    import sys
+
+    script = ("from gemmalab.model import lora; lora._lora_classes(); "
+              "from gemmalab.model import gemma4; gemma4.modules()._layers.Einsum")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
