@@ -52,4 +52,23 @@ def load_params(path: str, *, text_only: bool = False, target: Any = None) -> An
     """
     gm = gemma_lib.gm()
 
-    return gm.ckpts.load_params(absolute_path(path), text_only=text_only, params=target)
+    params = gm.ckpts.load_params(absolute_path(path), text_only=text_only, params=target)
+    return params if target is None else _nest_like(params, target)
+
+
+def _nest_like(params: Any, target: Any) -> Any:
+    """``params`` with the ``{'w': ...}`` levels ``target`` has and they lost.
+
+    gemma's reader of the flat layout (how Google publishes its checkpoints) drops the ``w``
+    under every ``mlp/`` name, which is right for Gemma 3's dense MLP (its weights sit directly
+    in ``mlp``) and wrong for Gemma 4's mixture, whose experts and router keep a ``w`` each:
+    read back, ``mlp/gating_einsum/w`` would arrive as ``mlp/gating_einsum``.
+    """
+    if isinstance(target, dict):
+        if not isinstance(params, dict):
+            if set(target) == {"w"}:
+                return {"w": _nest_like(params, target["w"])}
+            return params
+        return {key: _nest_like(params[key], target[key]) if key in target else params[key]
+                for key in params}
+    return params
