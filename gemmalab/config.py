@@ -49,6 +49,9 @@ DEFAULT_MODEL = "gemma3-tiny"
 CHAT_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 # Which projections LoRA adapts (gemmalab.model.lora): attention's q/kv/output, the MLP's, or both.
 LORA_MODULES = ("attention", "mlp", "all")
+# QLoRA: how the frozen base's projections are stored under the adapters
+# (gemmalab.model.quantization).
+BASE_QUANTIZATIONS = ("none", "int8", "int4", "nf4")
 # How attention is computed (gemmalab.model.attention): gemma's own, jax.nn.dot_product_attention
 # (cuDNN on GPUs), Pallas' TPU splash kernel, or "auto": splash on TPUs, cuDNN on GPUs, gemma's
 # on CPUs. The weights are the same whichever runs.
@@ -303,7 +306,7 @@ class OptimizerConfig(_Group):
 class LoRAConfig(_Group):
     """LoRA (gemmalab.model.lora): rank 0 = full fine-tuning, and then no other field may be
     set. Otherwise only rank-``rank`` adapters train (scaled by alpha / rank, as PEFT); the base
-    weights stay frozen in compute_dtype."""
+    weights stay frozen in compute_dtype, or quantized (``base_quantization``: QLoRA)."""
 
     FLAT_PREFIX: typing.ClassVar[str] = "lora_"
     rank: int = 0
@@ -315,6 +318,9 @@ class LoRAConfig(_Group):
     # LoRA alone never changes an embedding: replies would not end), else none. A tuple: the
     # value is frozen (papermill and JSON give a list).
     train_tokens: tuple[str, ...] | None = None
+    # QLoRA: the frozen base's projections stored as int8, int4 or nf4 and dequantized inside
+    # each matmul (gemmalab.model.quantization); "none": in compute_dtype.
+    base_quantization: str = _flat("base_quantization", "none")
 
     def __post_init__(self) -> None:
         if isinstance(self.train_tokens, list):
@@ -336,6 +342,12 @@ class LoRAConfig(_Group):
                                                  for t in self.train_tokens),
                 "lora_train_tokens", f"{self.train_tokens!r} is not a list of pieces",
                 "give token pieces such as ['<end_of_turn>'], [] for none, or None")
+        require(self.base_quantization in BASE_QUANTIZATIONS, "base_quantization",
+                f"unknown format {self.base_quantization!r}", f"use one of {BASE_QUANTIZATIONS}")
+        if not self.enabled and self.base_quantization != "none":
+            raise ConfigError("base_quantization", f"{self.base_quantization!r} quantizes a "
+                              "frozen base under LoRA adapters, but lora_rank=0 trains every "
+                              "weight", "set lora_rank > 0 (QLoRA), or base_quantization='none'")
         if not self.enabled:
             _refuse_while_off(self, "lora_rank", "LoRA is off (lora_rank=0)",
                               "set lora_rank > 0 to train adapters")

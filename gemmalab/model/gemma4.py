@@ -32,6 +32,7 @@ import functools
 from typing import Any
 
 from gemmalab import gemma_lib
+from gemmalab.model import quantization
 
 ROUTER_COLLECTION = "router"  # the flax collection the MoE layers sow their statistics into
 
@@ -153,7 +154,8 @@ def experts_class() -> type:
 
         @nn.compact
         def ragged(self, x: Any, group_sizes: Any) -> Any:
-            weight = self.param("w", nn.initializers.normal(), self.shape)
+            # QLoRA's quantized base dequantizes here, inside the block (quantization.py).
+            weight = quantization.as_array(self.param("w", nn.initializers.normal(), self.shape))
             if weight.ndim == 4:  # gate|up [E, 2, H, D] as gemma's ragged_dot reads it: [E, D, 2H]
                 experts, _, hidden, features = weight.shape
                 weight = jnp.transpose(weight, (0, 3, 1, 2)).reshape(

@@ -43,7 +43,7 @@ from typing import Any
 
 from gemmalab import gemma_lib
 from gemmalab.config import LORA_MODULES
-from gemmalab.model import gemma4
+from gemmalab.model import gemma4, quantization
 
 # The weight update ``a x b`` as each adapted weight's einsum: the weight's subscripts are those
 # of its module's einsum in gemma (``gm/nn/_modules.py``), ``a`` holds the input dimensions and
@@ -197,7 +197,8 @@ def _lora_classes() -> tuple[type, type]:
             # A free function, not a method: the interceptor would intercept a method call too.
             adapt = functools.partial(_adapt, rank=self.rank, dtype=self.dtype, scale=self.scale,
                                       modules=self.modules, unread=self.unread)
-            with peft.ModuleInterceptor(adapt):
+            # QLoRA: a quantized base weight dequantizes inside, once LoRA has wrapped its layer.
+            with peft.ModuleInterceptor(adapt), quantization.dequantizing():
                 return self.model(*args, **kwargs)
 
     def _adapt(module: Any, *, rank: int, dtype: Any, scale: float, modules: str,
@@ -321,7 +322,8 @@ def merge(base: dict, adapters: dict, scale_: float, dtype: Any = None,
     """
     import jax
 
-    merged = jax.tree.map(lambda w: w, base)  # a copy of the dict structure
+    # A copy of the dict structure; QLoRA's quantized base weights dequantized first.
+    merged = quantization.dequantized(base)
     if TOKEN_ROWS in adapters:
         embedding = merged["embedder"]["input_embedding"]
         rows = {TOKEN_ROWS: adapters[TOKEN_ROWS].astype("float32")}

@@ -356,13 +356,15 @@ def config_from_dict(values: dict[str, Any]) -> gm.nn.config.TransformerConfig:
 
 
 def cast_params(params: Any, dtype: Any) -> Any:
-    """The compute copy of the (master-dtype) params."""
-    import jax
+    """The compute copy of the (master-dtype) params (a quantized base weight keeps its
+    values: its scales take ``dtype``, ``gemmalab.model.quantization``)."""
+    from gemmalab.model import quantization
 
-    return jax.tree.map(lambda p: p.astype(dtype), params)
+    return quantization.cast(params, dtype)
 
 
 def parameter_count(params: Any) -> int:
-    import jax
+    """The weights in ``params`` (a quantized one counted once, not its scales)."""
+    from gemmalab.model import quantization
 
-    return int(sum(x.size for x in jax.tree.leaves(params)))
+    return quantization.element_count(params)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Mesh axis per dimension of each weight. Gemma 3's layouts (transpose_gating_einsum=True), which
@@ -101,5 +102,13 @@ def shard_bytes(tree: Any) -> int:
     total = 0
     for leaf in jax.tree.leaves(tree):
         shards = leaf.addressable_shards
-        total += max(s.data.nbytes for s in shards) if shards else 0
+        total += max(array_bytes(s.data) for s in shards) if shards else 0
     return total
+
+
+def array_bytes(leaf: Any) -> int:
+    """Bytes an array (concrete or abstract) takes, 4-bit types at 4 bits (as TPUs pack them;
+    numpy counts them a byte)."""
+    dtype = np.dtype(leaf.dtype)
+    bits = 4 if dtype.name in ("int4", "uint4") else dtype.itemsize * 8
+    return (int(np.prod(leaf.shape)) * bits + 7) // 8

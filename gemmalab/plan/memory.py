@@ -23,6 +23,7 @@ from gemmalab.config import (
 )
 from gemmalab.data_parallel import batch_ways, check_batch_split, check_expert_axis
 from gemmalab.errors import ConfigError
+from gemmalab.model import quantization
 from gemmalab.plan.roofline import Roofline, check_price, model_flops, run_steps, traffic_bytes
 from gemmalab.plan.shapes import (
     BATCH_FIELD_COUNT,
@@ -216,6 +217,7 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
                       where=f"mesh {sizes} on {accelerator.name}")
     vocab = vocab_size_hint(config.model)
     model_config = presets.model_config(config.model.preset, vocab, config.model.num_layers)
+    quantization.check_base(config.lora.base_quantization, model_config.embed_dim, sizes)
     params = abstract_params(model_config, config.model.param_dtype)
     p_size = np.dtype(config.model.param_dtype).itemsize
     c_size = np.dtype(jax.numpy.dtype(config.model.compute_dtype)).itemsize
@@ -253,15 +255,21 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
     # params (LoRA's reference is its frozen base, counted in "params").
     reference = {"reference": sum(shards.values()) * c_size} if dpo and not config.lora.rank \
         else {}
+    quantized = _quantized_base_bytes(model_config, config, abstract_mesh, sizes, used)
+    held_base = quantized[0] if quantized else sum(shards.values()) * c_size
+    if quantized:  # the base's gathers move quantized values: at their width, not c_size
+        base_size = quantization.BITS[config.lora.base_quantization] / 8
     breakdown = {
-        "params": (sum(shards.values()) * c_size + weights) if config.lora.rank else weights,
+        "params": (held_base + weights) if config.lora.rank else weights,
+        # QLoRA: the projections dequantized for the matmuls (see _quantized_base_bytes).
+        **({"dequantized": quantized[1]} if quantized else {}),
         **reference,
         "optimizer": 2 * weights,  # AdamW's two moments, in the params' dtype
         # Gradients of the compute-dtype weights, all alive for the global-norm clip; a
         # master-dtype accumulator besides them when micro-batches are summed.
         "gradients": trained * c_size + (weights if accumulating else 0),
         "weight_copies": (
-            _weight_copy_bytes(shards, gathered, config.model.remat, base_size, c_size)
+            int(_weight_copy_bytes(shards, gathered, config.model.remat, base_size, c_size))
             + (_reference_gather_bytes(gathered, c_size) if reference else 0)
         ),
         "activations": _activation_bytes(
@@ -304,8 +312,38 @@ def _ways(axis: Any, sizes: dict[str, int]) -> int:
     return math.prod(sizes[a] for a in axes)
 
 
+def _quantized_base_bytes(model_config: Any, config: TrainConfig, abstract_mesh: Any,
+                          sizes: dict[str, int], used: dict[str, int]) -> tuple[int, int] | None:
+    """QLoRA (``lora.base_quantization``): ``(bytes of the quantized base one device holds,
+    bytes of its dequantized copies)``, else None.
+
+    The held base: each leaf as ``quantization.abstract_base`` makes it (values at their bits,
+    scales in the compute dtype) cut by the one table. Its copies: a projection dequantizes
+    inside its block, so with remat two blocks' weights are alive at once in the compute dtype,
+    and without remat every block's (the backward pass keeps what the forward dequantized)."""
+    fmt = config.lora.base_quantization
+    if not config.lora.rank or fmt == "none":
+        return None
+    import jax
+    import numpy as np
+
+    from gemmalab.model import sharding
+
+    base = quantization.abstract_base(abstract_params(model_config, config.model.compute_dtype),
+                                      fmt, config.model.compute_dtype)
+    held = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(base):
+        spec = tuple(sharding.weight_spec(path, leaf.shape, abstract_mesh))
+        ways = math.prod(_ways(axis, sizes) for axis in spec)
+        held += sharding.array_bytes(leaf) // ways
+    c_size = np.dtype(jax.numpy.dtype(config.model.compute_dtype)).itemsize
+    blocks = [n for k, n in used.items() if k.startswith("layer_")]
+    live = sum(blocks) if config.model.remat == "none" else 2 * max(blocks, default=0)
+    return held, live * c_size
+
+
 def _weight_copy_bytes(shards: dict[str, int], gathered: dict[str, int], remat: str,
-                       p_size: int, c_size: int) -> int:
+                       p_size: float, c_size: int) -> float:
     """Weights held besides the master copy, as the compiled steps show (docs/scaling.md).
 
     The embedding's compute-dtype copy lives from the input lookup to the loss. Under fsdp the

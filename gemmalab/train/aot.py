@@ -98,7 +98,7 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
     from jax.experimental import topologies
 
     from gemmalab.data import packing
-    from gemmalab.model import lora, mesh, presets, sharding
+    from gemmalab.model import lora, mesh, presets, quantization, sharding
     from gemmalab.train import optimization
 
     start = time.perf_counter()
@@ -124,6 +124,9 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
         # LoRA's frozen base (also DPO's reference), or full fine-tuning DPO's reference copy:
         # the starting weights in the compute dtype, sharded like the params.
         base = abstract_params(model_config, config.model.compute_dtype)
+        # QLoRA: its projections as the run holds them, quantized values and scales.
+        base = quantization.abstract_base(base, config.lora.base_quantization,
+                                          config.model.compute_dtype)
         frozen_shardings = sharding.param_sharding(base, device_mesh)
         frozen = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                                                        sharding=where),

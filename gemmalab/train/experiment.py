@@ -36,7 +36,7 @@ from gemmalab.data.documents import CONVERSATIONAL
 from gemmalab.data.preparation import PreparedData, TrainingData, prepare_data, training_data
 from gemmalab.data_parallel import check_expert_axis
 from gemmalab.errors import ConfigError, TrainingDiverged
-from gemmalab.model import lora, mesh, presets, sampling
+from gemmalab.model import lora, mesh, presets, quantization, sampling
 from gemmalab.plan.fit import require_fits
 from gemmalab.plan.memory import MemoryPlan, estimate
 from gemmalab.plan.roofline import model_flops
@@ -111,6 +111,9 @@ class Experiment:
             config.trainer.batch_size, device_mesh, config.trainer.grad_accum_steps
         )
         check_expert_axis(device_mesh.shape, config.model.preset)
+        quantization.check_base(config.lora.base_quantization,
+                                presets.model_config(config.model.preset, 0).embed_dim,
+                                device_mesh.shape)
         if storage.is_gcs(config.runtime.output_dir):
             storage.require_gcs_credentials("output_dir", config.runtime.output_dir)
         checkpoint = sources.resolve(

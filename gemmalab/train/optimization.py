@@ -26,7 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gemmalab.model import attention, cross_entropy, gemma4, lora, preference, presets, sharding
+from gemmalab.model import (
+    attention,
+    cross_entropy,
+    gemma4,
+    lora,
+    preference,
+    presets,
+    quantization,
+    sharding,
+)
 from gemmalab.model.mesh import batch_sharding, global_batch, replicated
 
 OPTIMIZER_SCOPE = "optimizer"  # jax.named_scope of the update's ops (their HLO op_name)
@@ -116,9 +125,10 @@ def _hidden_states(model: Any, params: Any, batch: dict[str, jax.Array], compute
     mask = (attention.segment_starts(batch["segment_ids"]) if attention.kernel_of(model)
             else attention_mask(batch["segment_ids"]))
     # The model's own logits are unused (XLA drops them); the loss recomputes them in chunks.
-    output, sown = model.apply({"params": params}, batch["tokens"], positions=batch["positions"],
-                               attention_mask=mask, return_hidden_states=True,
-                               mutable=[gemma4.ROUTER_COLLECTION])
+    with quantization.dequantizing():  # QLoRA: a quantized base, dequantized in each matmul
+        output, sown = model.apply({"params": params}, batch["tokens"],
+                                   positions=batch["positions"], attention_mask=mask,
+                                   return_hidden_states=True, mutable=[gemma4.ROUTER_COLLECTION])
     head = params["embedder"]["input_embedding"] if head is None else head
     return output.hidden_states, head, row_updates, router_sums(sown)
 

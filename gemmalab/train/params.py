@@ -22,7 +22,7 @@ import numpy as np
 from gemmalab.config import LoRAConfig
 from gemmalab.data import tokenizer as tokenizers
 from gemmalab.errors import ConfigError
-from gemmalab.model import lora, presets, sharding
+from gemmalab.model import lora, presets, quantization, sharding
 from gemmalab.plan import shapes
 from gemmalab.train import checkpoints, optimization
 from gemmalab.weights import sources
@@ -111,15 +111,17 @@ class StartingWeights:
             raise mismatch
         return jax.tree.map(lambda p: p.astype(dtype), loaded)
 
-    def frozen(self, param_dtype: str, compute_dtype: str, device_mesh: Any
-               ) -> tuple[Any, Any]:
+    def frozen(self, param_dtype: str, compute_dtype: str, device_mesh: Any,
+               base_quantization: str = "none") -> tuple[Any, Any]:
         """The starting weights in the compute dtype (LoRA's base, DPO's reference), read (or
-        drawn from ``seed``) into their shards; the same on a resume, so they are never
-        checkpointed. Returns (weights, shardings)."""
+        drawn from ``seed``) into their shards, with QLoRA's projections then quantized
+        (``base_quantization``); the same on a resume (quantizing is deterministic), so they
+        are never checkpointed. Returns (weights, shardings)."""
         expected = shapes.abstract_params(self.model.config, param_dtype)
         dtype = jnp.dtype(compute_dtype)
         params = self.read(dtype, device_mesh, expected)
         params = jax.tree.map(lambda p: p.astype(dtype), params)  # random init: master dtype
+        params = quantization.quantize_base(params, base_quantization, dtype, device_mesh)
         return params, sharding.param_sharding(params, device_mesh)
 
 
@@ -138,8 +140,8 @@ def restore_or_init(starting: StartingWeights, lora_config: LoRAConfig, optimize
     weights = TrainWeights(state=state, state_shardings=shardings, start_step=start_step,
                            adapted=lora_config.enabled)
     if lora_config.enabled or keep_frozen:
-        weights.frozen, weights.frozen_shardings = starting.frozen(param_dtype, compute_dtype,
-                                                                   device_mesh)
+        weights.frozen, weights.frozen_shardings = starting.frozen(
+            param_dtype, compute_dtype, device_mesh, lora_config.base_quantization)
     return weights
 
 

@@ -1,0 +1,251 @@
+"""QLoRA's frozen base: its projections stored quantized, dequantized inside each matmul.
+
+``LoRAConfig.base_quantization`` picks the format (``FORMATS``); qwix (Google's JAX quantization
+library, as tunix uses it) quantizes and dequantizes, and holds a weight as its ``QArray``:
+``qvalue`` (the weight's shape, in the format's integer type) and ``scale``.
+
+- ``int8``: one scale per row along the model dimension (the axis ``fsdp`` splits in the one
+  sharding table): per output channel for the projections out of the model width (q, k, v,
+  gate|up), per input channel for those back into it (attention's output, down).
+- ``int4`` and ``nf4`` (QLoRA's 4-bit NormalFloat): one scale per ``GROUP_SIZE`` values along
+  the model dimension, as bitsandbytes' blocks of 64: a 4-bit grid is too coarse for a whole
+  row's range.
+- Scales are held in the compute dtype, which is what a weight dequantizes to.
+
+What stays in the compute dtype, and why:
+- the embedding (``input_embedding``): a table a token's row is read from, and (tied) the output
+  head, where the loss is most sensitive; LoRA may train some of its rows (``TOKEN_ROWS``);
+- Gemma 4's per-layer embedding table, its projection into it, and the router of a mixture
+  (small; the router decides which experts a token reaches);
+- norms and scalars: vectors, a rounding error of the whole is nothing.
+
+The frozen base reaches the model as a tree with ``QArray`` leaves; ``dequantizing`` is the flax
+method interceptor that makes each of gemma's ``Einsum``s read its weight dequantized, inside
+its block (so ``remat`` recomputes the dequantization, never holding a dequantized base), and
+gemmalab's own experts dequantize theirs (``as_array``). The adapters keep their dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from gemmalab.config import BASE_QUANTIZATIONS, FSDP_AXIS
+from gemmalab.errors import ConfigError
+from gemmalab.model import sharding
+
+FORMATS = BASE_QUANTIZATIONS
+GROUP_SIZE = 64  # values per scale of int4 / nf4, along the model dimension
+# Sharding rules (gemmalab.model.sharding.RULES) of the weights quantized; every other weight
+# (embedding tables, the router, Gemma 4's per-layer projection, norms) stays as it is.
+QUANTIZED_RULES = ("q_einsum", "kv_einsum", "k_einsum", "attn_vec_einsum", "gating_einsum",
+                   "linear", "experts_gating", "experts_linear", "per_layer_input_gate",
+                   "per_layer_projection")
+# The quantized value's type, by format (qwix's names); its bits, for the planner.
+QTYPES = {"int8": "int8", "int4": "int4", "nf4": "nf4"}
+BITS = {"int8": 8, "int4": 4, "nf4": 4}
+
+
+def qarray_class() -> type:
+    from qwix import QArray
+
+    return QArray
+
+
+def is_quantized(leaf: Any) -> bool:
+    """Whether ``leaf`` is a quantized weight (without importing qwix when none can be)."""
+    return type(leaf).__name__ == "QArray" and hasattr(leaf, "qvalue")
+
+
+def model_axis(rule: str) -> int:
+    """The axis of a weight that its rule splits over ``fsdp``: the model dimension."""
+    return sharding.RULES[rule].index(FSDP_AXIS)
+
+
+def group_size(fmt: str, dim: int) -> int | None:
+    """Values per scale along the model dimension: ``GROUP_SIZE`` for 4-bit formats (the whole
+    row if shorter), None (the whole row) for int8."""
+    if fmt == "int8":
+        return None
+    return min(GROUP_SIZE, dim)
+
+
+def check_base(fmt: str, embed_dim: int, sizes: Mapping[str, int]) -> None:
+    """QLoRA's groups must tile the model width, and each device's share of it under ``fsdp``
+    (else the scales could not be cut as their values are): one line naming the parameter."""
+    if fmt == "none":
+        return
+    size = group_size(fmt, embed_dim)
+    if size is None:
+        return
+    if embed_dim % size:
+        raise ConfigError("base_quantization", f"the model width {embed_dim} is not a multiple "
+                          f"of {fmt}'s {size}-value groups", "use int8 (one scale a row)")
+    ways = int(sizes.get(FSDP_AXIS, 1))
+    if ways > 1 and embed_dim % ways == 0 and (embed_dim // ways) % size:
+        fits = [n for n in range(1, ways + 1) if (embed_dim // size) % n == 0]
+        raise ConfigError("mesh", f"fsdp={ways} cuts the model width {embed_dim} into pieces of "
+                          f"{embed_dim // ways}, not whole {fmt} groups of {size}",
+                          f"use an fsdp size that divides {embed_dim // size}, e.g. {fits[-1]}, "
+                          "or base_quantization='int8'")
+
+
+def quantize_leaf(weight: Any, rule: str, fmt: str, scale_dtype: Any) -> Any:
+    """``weight`` as ``fmt``'s ``QArray`` (see the module's docstring for the scales)."""
+    import qwix
+
+    axis = model_axis(rule)
+    others = tuple(a for a in range(weight.ndim) if a != axis)
+    size = group_size(fmt, weight.shape[axis])
+    tiled = {} if size is None else {axis: size}
+    return qwix.quantize(weight, QTYPES[fmt], channelwise_axes=others, tiled_axes=tiled,
+                         scale_dtype=scale_dtype)
+
+
+def quantized_rule(path: tuple[Any, ...], leaf: Any) -> str | None:
+    """The rule of a weight ``quantize_base`` quantizes, or None for one it leaves whole."""
+    rule = sharding.rule_name(path, np.ndim(leaf))
+    return rule if rule in QUANTIZED_RULES else None
+
+
+def quantize_base(params: Any, fmt: str, scale_dtype: Any, device_mesh: Any = None) -> Any:
+    """``params`` with its projections quantized to ``fmt`` (the others as they are), one
+    weight at a time, each into the shards the table gives its ``qvalue`` and ``scale``: a
+    large base is never held twice over. ``fmt`` "none": ``params`` unchanged."""
+    import jax
+
+    if fmt == "none":
+        return params
+    scale_dtype = np.dtype(scale_dtype).name
+
+    def one(path: tuple[Any, ...], leaf: Any) -> Any:
+        rule = quantized_rule(path, leaf)
+        if rule is None:
+            return leaf
+        if device_mesh is None:  # traced (abstract_base) or unsharded
+            return quantize_leaf(leaf, rule, fmt, scale_dtype)
+        specs = (sharding.weight_spec(path, leaf.shape, device_mesh),
+                 sharding.weight_spec(path, _scale_shape(leaf.shape, rule, fmt), device_mesh))
+        return _quantizer(rule, fmt, scale_dtype, device_mesh, specs)(leaf)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _scale_shape(shape: tuple[int, ...], rule: str, fmt: str) -> tuple[int, ...]:
+    axis = model_axis(rule)
+    size = group_size(fmt, shape[axis])
+    return tuple((dim // size if size else 1) if a == axis else dim
+                 for a, dim in enumerate(shape))
+
+
+@functools.cache
+def _quantizer(rule: str, fmt: str, scale_dtype: str, device_mesh: Any, specs: tuple) -> Any:
+    """One weight's quantization, compiled once per rule, format and placement."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    qvalue, scale = (NamedSharding(device_mesh, spec) for spec in specs)
+    out = qarray_class()(qvalue, scale, None, QTYPES[fmt])
+    return jax.jit(functools.partial(quantize_leaf, rule=rule, fmt=fmt, scale_dtype=scale_dtype),
+                   out_shardings=out)
+
+
+def abstract_base(params: Any, fmt: str, scale_dtype: Any) -> Any:
+    """The quantized base's shapes and dtypes (``params``: abstract or concrete; nothing
+    computed)."""
+    import jax
+
+    if fmt == "none":
+        return params
+    return jax.eval_shape(functools.partial(quantize_base, fmt=fmt, scale_dtype=scale_dtype),
+                          params)
+
+
+def as_array(weight: Any) -> Any:
+    """``weight`` dequantized (to its scales' dtype) if quantized, else itself."""
+    if not is_quantized(weight):
+        return weight
+    import qwix
+
+    return qwix.dequantize(weight)
+
+
+def dequantized(params: Any) -> Any:
+    """A params tree with every quantized weight dequantized (merge, export)."""
+    import jax
+
+    return jax.tree.map(as_array, params, is_leaf=is_quantized)
+
+
+def cast(params: Any, dtype: Any) -> Any:
+    """``params`` in ``dtype``: a quantized weight keeps its values and casts its scales (what
+    it dequantizes to)."""
+    import jax
+
+    return jax.tree.map(lambda p: p.astype(dtype), params, is_leaf=is_quantized)
+
+
+def element_count(params: Any) -> int:
+    """The weights in ``params``, a quantized weight counted once (not its scales)."""
+    import jax
+
+    return int(sum((leaf.qvalue.size if is_quantized(leaf) else leaf.size)
+                   for leaf in jax.tree.leaves(params, is_leaf=is_quantized)))
+
+
+@contextlib.contextmanager
+def dequantizing() -> Iterator[None]:
+    """Within: gemma's ``Einsum``s whose weight is quantized compute with it dequantized.
+
+    Nested, only the innermost acts: flax runs the outermost interceptor first, and one that
+    computed an ``Einsum`` itself would hide the call from those inside it, such as LoRA's
+    (``lora.LoRAModel`` installs this inside its module interceptor)."""
+    import flax.linen as nn
+
+    level = object()
+    _LEVELS.append(level)
+    try:
+        with nn.intercept_methods(functools.partial(_dequantize_einsum, level=level)):
+            yield
+    finally:
+        _LEVELS.remove(level)
+
+
+_LEVELS: list[object] = []  # the active ``dequantizing`` contexts, innermost last
+
+
+@functools.cache
+def _einsum_classes() -> tuple[type, ...]:
+    from gemmalab import gemma_lib
+
+    gemma_lib.gm()  # gemma's package first, as everywhere it is imported
+    from gemma.gm.nn import _layers
+    from gemma.gm.nn.gemma4 import _layers as gemma4_layers
+
+    return _layers.Einsum, gemma4_layers.Einsum
+
+
+def _dequantize_einsum(next_fun: Any, args: tuple, kwargs: dict, context: Any, *,
+                       level: object) -> Any:
+    module = context.module
+    if (level is not _LEVELS[-1] or context.method_name != "__call__"
+            or not isinstance(module, _einsum_classes())):
+        return next_fun(*args, **kwargs)
+    if not module.has_variable("params", module.weight_name):  # init: nothing quantized
+        return next_fun(*args, **kwargs)
+    weight = module.get_variable("params", module.weight_name)
+    if isinstance(weight, dict):  # gemma 4's shared-scope MLP: {'w': weight}
+        weight = weight.get("w", weight)
+    if not is_quantized(weight):
+        return next_fun(*args, **kwargs)
+    import jax.numpy as jnp
+
+    eqn, x = (*args, *(kwargs[name] for name in ("eqn", "x") if name in kwargs))
+    weight = as_array(weight)
+    if getattr(module, "w_scale", None) is not None:
+        weight = weight * module.w_scale
+    return jnp.einsum(eqn, x, weight)
