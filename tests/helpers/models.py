@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmalab.model import lora, mesh, presets, sharding
+from gemmalab.model import lora, mesh, presets, quantization, sharding
 from gemmalab.train import optimization
 
 VOCAB = 64
@@ -55,7 +55,7 @@ def _batch(rows=8, maxlen=16, vocab=64, seed=0):
 
 
 def _train(shape, devices, steps=20, compute_dtype=jnp.float32, num_slices=1,
-           grad_accum_steps=1, remat="none", lora_rank=0, config=None):
+           grad_accum_steps=1, remat="none", lora_rank=0, config=None, base_quantization="none"):
     """The losses of ``steps`` steps of ``config`` (default ``short_tiny``) on ``shape``, and the
     final state (with LoRA also the frozen base)."""
     config = short_tiny(VOCAB) if config is None else config
@@ -65,7 +65,9 @@ def _train(shape, devices, steps=20, compute_dtype=jnp.float32, num_slices=1,
     frozen = frozen_shardings = None
     if lora_rank:  # the base frozen (placed by the rules), adapters in the state
         frozen_shardings = sharding.param_sharding(params, device_mesh)
-        frozen = jax.device_put(params, frozen_shardings)
+        frozen = quantization.quantize_base(jax.device_put(params, frozen_shardings),
+                                            base_quantization, jnp.float32, device_mesh)
+        frozen_shardings = sharding.param_sharding(frozen, device_mesh)
         model = lora.wrap(model, rank=lora_rank, alpha=2.0 * lora_rank, modules="all",
                           dtype=jnp.float32)
         params = lora.init_adapters(config, rank=lora_rank, modules="all", dtype="float32",

@@ -86,6 +86,23 @@ def test_lora_on_a_3d_mesh_trains_like_one_device():
     assert adapter.sharding.is_fully_replicated
 
 
+@pytest.mark.slow
+def test_qlora_on_a_3d_mesh_trains_like_one_device():
+    """QLoRA: the nf4 base's values and scales split by the rules, one device's losses."""
+    reference, _, _ = _train({"data": 1}, jax.devices()[:1], steps=8, lora_rank=4,
+                             base_quantization="nf4")
+    losses, _, frozen = _train({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices(), steps=8,
+                               lora_rank=4, base_quantization="nf4")
+    np.testing.assert_allclose(losses, reference, rtol=PARITY_RTOL[jnp.float32])
+    assert losses[-1] < losses[0]
+    q = frozen["layer_0"]["attn"]["q_einsum"]["w"]
+    assert q.qvalue.addressable_shards[0].data.shape == (2, 64, 32)
+    assert q.scale.addressable_shards[0].data.shape == (2, 1, 32)  # 128 / 64 groups over fsdp
+    # (and not LoRA's losses over the unquantized base: the base really is quantized)
+    plain, _, _ = _train({"data": 1}, jax.devices()[:1], steps=8, lora_rank=4)
+    assert np.abs(plain - reference).max() > 1e-4
+
+
 @pytest.mark.parametrize(("shape", "message"), [
     ({"data": 3}, "uses 3 devices but there are 8"),
     ({"data": 3, "fsdp": -1}, "cannot fill 8 devices"),
