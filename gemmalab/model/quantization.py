@@ -4,12 +4,12 @@
 library, as tunix uses it) quantizes and dequantizes, and holds a weight as its ``QArray``:
 ``qvalue`` (the weight's shape, in the format's integer type) and ``scale``.
 
-- ``int8``: one scale per row along the model dimension (the axis ``fsdp`` splits in the one
-  sharding table): per output channel for the projections out of the model width (q, k, v,
-  gate|up), per input channel for those back into it (attention's output, down).
-- ``int4`` and ``nf4`` (QLoRA's 4-bit NormalFloat): one scale per ``GROUP_SIZE`` values along
-  the model dimension, as bitsandbytes' blocks of 64: a 4-bit grid is too coarse for a whole
-  row's range.
+- ``int8``: one scale per output channel (the values a row of the matmul's contraction reads).
+- ``int4`` and ``nf4`` (QLoRA's 4-bit NormalFloat): one scale per ``GROUP_SIZE`` inputs of each
+  output channel, as llama.cpp's 4-bit blocks: a 4-bit grid is too coarse for a whole row's
+  range. 32, not bitsandbytes' 64: on the embedded 270M, nf4 in groups of 64 / 32 / 16 costs
+  +24% / +18% / +9% held-out perplexity before training (docs/benchmarks/qlora.md), for 0.25
+  more bits a weight at 32 than at 64.
 - Scales are held in the compute dtype, which is what a weight dequantizes to.
 
 What stays in the compute dtype, and why:
@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from gemmalab.config import BASE_QUANTIZATIONS, FSDP_AXIS
+from gemmalab.config import BASE_QUANTIZATIONS
 from gemmalab.errors import ConfigError
 from gemmalab.model import sharding
 
 FORMATS = BASE_QUANTIZATIONS
-GROUP_SIZE = 64  # values per scale of int4 / nf4, along the model dimension
+GROUP_SIZE = 32  # inputs per scale of int4 / nf4
 # Sharding rules (gemmalab.model.sharding.RULES) of the weights quantized; every other weight
 # (embedding tables, the router, Gemma 4's per-layer projection, norms) stays as it is.
 QUANTIZED_RULES = ("q_einsum", "kv_einsum", "k_einsum", "attn_vec_einsum", "gating_einsum",
@@ -61,44 +61,55 @@ def is_quantized(leaf: Any) -> bool:
     return type(leaf).__name__ == "QArray" and hasattr(leaf, "qvalue")
 
 
-def model_axis(rule: str) -> int:
-    """The axis of a weight that its rule splits over ``fsdp``: the model dimension."""
-    return sharding.RULES[rule].index(FSDP_AXIS)
+# The axis each quantized weight's matmul contracts over (its inputs; for attention's output
+# projection [heads, head_dim, embed] the head dimension, within each head), by rule. Its
+# groups line up with those of a GGUF file (blocks along each row of the HF [out, in] matrix).
+INPUT_AXIS = {"q_einsum": 1, "kv_einsum": 2, "k_einsum": 1, "attn_vec_einsum": 1,
+              "gating_einsum": 2, "linear": 0, "experts_gating": 3, "experts_linear": 1,
+              "per_layer_input_gate": 0, "per_layer_projection": 0}
+assert set(INPUT_AXIS) == set(QUANTIZED_RULES)
 
 
 def group_size(fmt: str, dim: int) -> int | None:
-    """Values per scale along the model dimension: ``GROUP_SIZE`` for 4-bit formats (the whole
-    row if shorter), None (the whole row) for int8."""
+    """Inputs per scale: ``GROUP_SIZE`` for 4-bit formats (all ``dim`` if fewer), None (one
+    scale for the whole input row) for int8."""
     if fmt == "int8":
         return None
     return min(GROUP_SIZE, dim)
 
 
-def check_base(fmt: str, embed_dim: int, sizes: Mapping[str, int]) -> None:
-    """QLoRA's groups must tile the model width, and each device's share of it under ``fsdp``
-    (else the scales could not be cut as their values are): one line naming the parameter."""
-    if fmt == "none":
+def check_base(fmt: str, base: Any, sizes: Mapping[str, int]) -> None:
+    """Each quantized weight of ``base`` (abstract) must cut into whole groups, and so must each
+    device's share of its inputs where the mesh splits them (else its scales could not be cut
+    as its values are): one line naming the parameter and the fix."""
+    if fmt in ("none", "int8"):
         return
-    size = group_size(fmt, embed_dim)
-    if size is None:
-        return
-    if embed_dim % size:
-        raise ConfigError("base_quantization", f"the model width {embed_dim} is not a multiple "
-                          f"of {fmt}'s {size}-value groups", "use int8 (one scale a row)")
-    ways = int(sizes.get(FSDP_AXIS, 1))
-    if ways > 1 and embed_dim % ways == 0 and (embed_dim // ways) % size:
-        fits = [n for n in range(1, ways + 1) if (embed_dim // size) % n == 0]
-        raise ConfigError("mesh", f"fsdp={ways} cuts the model width {embed_dim} into pieces of "
-                          f"{embed_dim // ways}, not whole {fmt} groups of {size}",
-                          f"use an fsdp size that divides {embed_dim // size}, e.g. {fits[-1]}, "
-                          "or base_quantization='int8'")
+    import jax
+
+    for path, leaf in jax.tree_util.tree_leaves_with_path(base):
+        rule = quantized_rule(path, leaf)
+        if rule is None:
+            continue
+        axis, name = INPUT_AXIS[rule], sharding.RULES[rule][INPUT_AXIS[rule]]
+        dim, size = leaf.shape[axis], group_size(fmt, leaf.shape[axis])
+        where = "/".join(sharding.dict_path(path))
+        if dim % size:
+            raise ConfigError("base_quantization", f"{where}'s {dim} inputs are not a multiple "
+                              f"of {fmt}'s {size}-value groups", "use int8 (a scale a row)")
+        ways = int(sizes.get(name, 1)) if name else 1
+        if ways > 1 and dim % ways == 0 and (dim // ways) % size:
+            fits = [n for n in range(1, ways) if (dim // size) % n == 0 and ways % n == 0]
+            raise ConfigError("mesh", f"{name}={ways} cuts {where}'s {dim} inputs into pieces "
+                              f"of {dim // ways}, not whole {fmt} groups of {size}",
+                              f"use a {name} size that divides {dim // size}, e.g. {fits[-1]}, "
+                              "or base_quantization='int8'")
 
 
 def quantize_leaf(weight: Any, rule: str, fmt: str, scale_dtype: Any) -> Any:
     """``weight`` as ``fmt``'s ``QArray`` (see the module's docstring for the scales)."""
     import qwix
 
-    axis = model_axis(rule)
+    axis = INPUT_AXIS[rule]
     others = tuple(a for a in range(weight.ndim) if a != axis)
     size = group_size(fmt, weight.shape[axis])
     tiled = {} if size is None else {axis: size}
@@ -136,7 +147,7 @@ def quantize_base(params: Any, fmt: str, scale_dtype: Any, device_mesh: Any = No
 
 
 def _scale_shape(shape: tuple[int, ...], rule: str, fmt: str) -> tuple[int, ...]:
-    axis = model_axis(rule)
+    axis = INPUT_AXIS[rule]
     size = group_size(fmt, shape[axis])
     return tuple((dim // size if size else 1) if a == axis else dim
                  for a, dim in enumerate(shape))

@@ -217,8 +217,8 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
                       where=f"mesh {sizes} on {accelerator.name}")
     vocab = vocab_size_hint(config.model)
     model_config = presets.model_config(config.model.preset, vocab, config.model.num_layers)
-    quantization.check_base(config.lora.base_quantization, model_config.embed_dim, sizes)
     params = abstract_params(model_config, config.model.param_dtype)
+    quantization.check_base(config.lora.base_quantization, params, sizes)
     p_size = np.dtype(config.model.param_dtype).itemsize
     c_size = np.dtype(jax.numpy.dtype(config.model.compute_dtype)).itemsize
 

@@ -40,7 +40,7 @@ from gemmalab.model import lora, mesh, presets, quantization, sampling
 from gemmalab.plan.fit import require_fits
 from gemmalab.plan.memory import MemoryPlan, estimate
 from gemmalab.plan.roofline import model_flops
-from gemmalab.plan.shapes import active_adapters
+from gemmalab.plan.shapes import abstract_params, active_adapters, vocab_size_hint
 from gemmalab.train import (
     checkpoints,
     compile_cache,
@@ -111,9 +111,11 @@ class Experiment:
             config.trainer.batch_size, device_mesh, config.trainer.grad_accum_steps
         )
         check_expert_axis(device_mesh.shape, config.model.preset)
-        quantization.check_base(config.lora.base_quantization,
-                                presets.model_config(config.model.preset, 0).embed_dim,
-                                device_mesh.shape)
+        if config.lora.base_quantization != "none":  # (traces the model's shapes)
+            quantization.check_base(config.lora.base_quantization, abstract_params(
+                presets.model_config(config.model.preset, vocab_size_hint(config.model),
+                                     config.model.num_layers), config.model.param_dtype),
+                device_mesh.shape)
         if storage.is_gcs(config.runtime.output_dir):
             storage.require_gcs_credentials("output_dir", config.runtime.output_dir)
         checkpoint = sources.resolve(

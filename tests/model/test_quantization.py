@@ -10,6 +10,7 @@ import pytest
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.model import lora, mesh, presets, quantization, sharding
+from gemmalab.plan.shapes import abstract_params
 from gemmalab.train import optimization
 from tests.helpers.models import _batch, tiny_model
 
@@ -38,11 +39,11 @@ def _groups(array: np.ndarray, axis: int, size: int | None) -> np.ndarray:
                                              ("experts_gating", (4, 2, 48, 128))])
 def test_each_format_rounds_within_half_a_step_of_its_group(fmt, rule, shape):
     """Heavy-tailed weights (Student-t, as trained ones): every value within half a grid step
-    of its group's scale, the scales per row (int8) or per 64 values (4-bit) along the model
-    dimension, and nf4 closer than int4 in RMS (why QLoRA made it)."""
+    of its group's scale, the scales per output channel (int8) or per 32 of its inputs
+    (4-bit)."""
     weight = 0.02 * jax.random.t(jax.random.key(1), 4.0, shape)
     packed = quantization.quantize_leaf(weight, rule, fmt, jnp.float32)
-    axis = quantization.model_axis(rule)
+    axis = quantization.INPUT_AXIS[rule]
     size = quantization.group_size(fmt, shape[axis])
     assert packed.qvalue.shape == shape
     assert packed.scale.shape == tuple(
@@ -141,12 +142,14 @@ def test_quantization_is_refused_where_it_cannot_serve():
         TrainConfig.flat(base_quantization="nf4")
     with pytest.raises(ConfigError, match=r"^base_quantization: unknown format 'fp4'"):
         TrainConfig.flat(lora_rank=4, base_quantization="fp4")
-    # Gemma 3 270M's width 640 is ten groups of 64: fsdp 4 would cut groups in half.
-    with pytest.raises(ConfigError, match=r"^mesh: fsdp=4 cuts the model width 640 into "
-                                          r"pieces of 160, not whole nf4 groups of 64\. Fix: "
-                                          r"use an fsdp size that divides 10, e.g. 2"):
-        quantization.check_base("nf4", 640, {"fsdp": 4})
-    quantization.check_base("nf4", 640, {"fsdp": 2})
-    quantization.check_base("int8", 640, {"fsdp": 4})  # one scale a row: nothing to cut
-    with pytest.raises(ConfigError, match=r"^base_quantization: the model width 100"):
-        quantization.check_base("int4", 100, {})
+    # Gemma 3 270M's width 640 is twenty groups of 32: fsdp 8 would cut groups.
+    base = abstract_params(presets.model_config("gemma3-270m", 0), "float32")
+    with pytest.raises(ConfigError, match=r"^mesh: fsdp=8 cuts layer_0/attn/kv_einsum/w's 640 "
+                                          r"inputs into pieces of 80, not whole nf4 groups of "
+                                          r"32\. Fix: use a fsdp size that divides 20, e\.g\. 4"):
+        quantization.check_base("nf4", base, {"fsdp": 8})
+    quantization.check_base("nf4", base, {"fsdp": 4, "tensor": 2})
+    quantization.check_base("int8", base, {"fsdp": 8})  # one scale a row: nothing to cut
+    odd = {"layer_0": {"mlp": {"linear": jax.ShapeDtypeStruct((100, 64), jnp.float32)}}}
+    with pytest.raises(ConfigError, match=r"^base_quantization: layer_0/mlp/linear's 100 inputs"):
+        quantization.check_base("int4", odd, {})

@@ -97,7 +97,7 @@ def test_qlora_on_a_3d_mesh_trains_like_one_device():
     assert losses[-1] < losses[0]
     q = frozen["layer_0"]["attn"]["q_einsum"]["w"]
     assert q.qvalue.addressable_shards[0].data.shape == (2, 64, 32)
-    assert q.scale.addressable_shards[0].data.shape == (2, 1, 32)  # 128 / 64 groups over fsdp
+    assert q.scale.addressable_shards[0].data.shape == (2, 2, 32)  # 128 / 32 groups over fsdp
     # (and not LoRA's losses over the unquantized base: the base really is quantized)
     plain, _, _ = _train({"data": 1}, jax.devices()[:1], steps=8, lora_rank=4)
     assert np.abs(plain - reference).max() > 1e-4

@@ -47,7 +47,8 @@ def test_a_checkpoint_is_read_whole_into_the_tables_shards(name, layout, tmp_pat
 
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
     for (keypath, want), got, where in zip(jax.tree_util.tree_leaves_with_path(params),
-                                           jax.tree.leaves(loaded), jax.tree.leaves(shardings)):
+                                           jax.tree.leaves(loaded), jax.tree.leaves(shardings),
+                                           strict=True):
         assert isinstance(got.sharding, NamedSharding), keypath
         assert got.sharding.spec == where.spec, keypath
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(keypath))
