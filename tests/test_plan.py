@@ -15,7 +15,7 @@ from gemmalab import accelerators, plan
 from gemmalab.config import EMBEDDED_PREFERENCES, TrainConfig
 from gemmalab.data import documents, packing, token_cache
 from gemmalab.errors import ConfigError
-from gemmalab.model import lora, mesh, presets, sharding
+from gemmalab.model import lora, mesh, presets, quantization, sharding
 from gemmalab.plan import exact
 from gemmalab.train import aot, optimization
 from gemmalab.train.experiment import Experiment
@@ -69,6 +69,44 @@ def test_weights_and_optimizer_bytes_are_those_of_the_real_shards(shape):
     # AdamW's moments, plus its step counters (a few bytes).
     assert sharding.shard_bytes(state.opt_state) - estimate.breakdown["optimizer"] in range(0, 64)
     assert estimate.num_params == presets.parameter_count(params)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_a_qlora_plan_holds_the_quantized_base_the_run_holds(fmt):
+    """QLoRA: the base's bytes per device are those of the tree a run quantizes into its shards
+    (values at their bits, scales in the compute dtype), plus the adapters."""
+    shape = {"data": 2, "fsdp": 2, "tensor": 2}
+    config = _tiny(mesh=shape, lora_rank=4, compute_dtype="bfloat16", base_quantization=fmt)
+    estimate = plan.estimate(config, plan.attached_accelerator())
+    model_config = presets.model_config("gemma3-tiny", 600)
+    device_mesh = mesh.make_mesh(shape)
+    base = presets.init_params(presets.build_model(model_config, param_dtype=jnp.bfloat16),
+                               seed=0, sample_length=8)
+    base = quantization.quantize_base(jax.device_put(base, sharding.param_sharding(
+        base, device_mesh)), fmt, jnp.bfloat16, device_mesh)
+    adapters = lora.abstract_adapters(model_config, rank=4, modules="all", dtype="float32")
+    assert estimate.breakdown["params"] == sharding.shard_bytes(base) + 4 * sum(
+        x.size for x in jax.tree.leaves(adapters))
+    assert estimate.breakdown["dequantized"] > 0
+    plain = plan.estimate(config.replace(base_quantization="none"), plan.attached_accelerator())
+    assert estimate.breakdown["params"] < plain.breakdown["params"]
+
+
+def test_gemma3_27b_qlora_fits_one_v6e_chip_where_lora_does_not():
+    """The headline: nf4's base is ~4.56 bits a projection weight (a bfloat16 scale per 32), the
+    embedding bfloat16: 27B's LoRA r16 at 8 x 1024 with remat fits a v6e chip's 30.4 GiB."""
+    config = TrainConfig.flat(model="gemma3-27b", tokenizer="gemma3", lora_rank=16,
+                              batch_size=8, maxlen=1024, remat="full", base_quantization="nf4")
+    qlora = plan.estimate(config, "v6e:1x1")
+    lora_plan = plan.estimate(config.replace(base_quantization="none"), "v6e:1x1")
+    assert qlora.fits and not lora_plan.fits
+    model_config = presets.model_config("gemma3-27b", 262_144)
+    embedding = model_config.num_embed * model_config.embed_dim
+    projections = qlora.num_params - qlora.trainable_params - embedding - sum(
+        x.size for x in jax.tree.leaves(plan.abstract_params(model_config, "bfloat16"))
+        if x.ndim == 1)
+    expected = 2 * embedding + projections * (0.5 + 2 / 32) + 4 * qlora.trainable_params
+    assert qlora.breakdown["params"] == pytest.approx(expected, rel=0.01)
 
 
 @pytest.mark.parametrize("shape", [{"data": 8}, {"fsdp": 8}])

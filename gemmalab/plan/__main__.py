@@ -11,7 +11,7 @@ import json
 import sys
 
 from gemmalab.accelerators import parse_accelerator
-from gemmalab.config import OBJECTIVES, TINY_PRESETS, TrainConfig
+from gemmalab.config import BASE_QUANTIZATIONS, OBJECTIVES, TINY_PRESETS, TrainConfig
 from gemmalab.plan.fit import fit_table
 from gemmalab.plan.memory import estimate
 
@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grad-accum-steps", type=int, default=1)
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
     parser.add_argument("--lora-modules", default="all")
+    parser.add_argument("--base-quantization", default="none", choices=BASE_QUANTIZATIONS,
+                        help="QLoRA (with --lora-rank): the frozen base stored quantized")
     parser.add_argument("--objective", default="sft", choices=OBJECTIVES,
                         help="dpo: also the reference model's forward pass (and weights)")
     parser.add_argument("--datacount", type=int, default=None,
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
                          batch_size=args.batch_size, maxlen=args.maxlen, remat=args.remat,
                          grad_accum_steps=args.grad_accum_steps, lora_rank=args.lora_rank,
                          lora_modules=args.lora_modules, objective=args.objective,
+                         base_quantization=args.base_quantization,
                          datacount=args.datacount,
                          num_epochs=args.num_epochs, max_steps=args.max_steps,
                          tokenizer=("local" if args.model in TINY_PRESETS

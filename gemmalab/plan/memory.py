@@ -257,8 +257,6 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
         else {}
     quantized = _quantized_base_bytes(model_config, config, abstract_mesh, sizes, used)
     held_base = quantized[0] if quantized else sum(shards.values()) * c_size
-    if quantized:  # the base's gathers move quantized values: at their width, not c_size
-        base_size = quantization.BITS[config.lora.base_quantization] / 8
     breakdown = {
         "params": (held_base + weights) if config.lora.rank else weights,
         # QLoRA: the projections dequantized for the matmuls (see _quantized_base_bytes).
@@ -269,7 +267,7 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
         # master-dtype accumulator besides them when micro-batches are summed.
         "gradients": trained * c_size + (weights if accumulating else 0),
         "weight_copies": (
-            int(_weight_copy_bytes(shards, gathered, config.model.remat, base_size, c_size))
+            _weight_copy_bytes(shards, gathered, config.model.remat, base_size, c_size)
             + (_reference_gather_bytes(gathered, c_size) if reference else 0)
         ),
         "activations": _activation_bytes(
@@ -343,7 +341,7 @@ def _quantized_base_bytes(model_config: Any, config: TrainConfig, abstract_mesh:
 
 
 def _weight_copy_bytes(shards: dict[str, int], gathered: dict[str, int], remat: str,
-                       p_size: float, c_size: int) -> float:
+                       p_size: int, c_size: int) -> int:
     """Weights held besides the master copy, as the compiled steps show (docs/scaling.md).
 
     The embedding's compute-dtype copy lives from the input lookup to the loss. Under fsdp the
