@@ -9,6 +9,12 @@ weights dequantized, then quantized again: what the double quantization costs) a
 steps, the frozen base's bytes, step time, useful tokens/s and the process's peak host memory.
 Runs alternate in the given order; ``--rounds 2`` repeats the sequence (these machines are
 noisy: compare within a round).
+
+    .venv/bin/python bench/qlora.py --layouts --eval-stories 64
+
+instead evaluates the base alone (no training, one process) under scale layouts other than
+``gemmalab.model.quantization``'s: groups of 16/32/64 along the inputs or along the model
+dimension, and asymmetric (min/max) int4: why the module groups 32 inputs.
 """
 
 from __future__ import annotations
@@ -47,6 +53,61 @@ def run_one(fmt: str, steps: int, eval_stories: int) -> dict:
                 "first_step_seconds", "peak_host_memory_gb")}}
 
 
+LAYOUTS = {  # name: (qwix type, grouped along "input" or "model", group size, calibration)
+    "int8, a scale per output channel": ("int8", "input", None, "absmax"),
+    "int8, a scale per model-dimension row": ("int8", "model", None, "absmax"),
+    "nf4, 64 along the model dimension": ("nf4", "model", 64, "absmax"),
+    "nf4, 64 inputs": ("nf4", "input", 64, "absmax"),
+    "nf4, 32 inputs (gemmalab)": ("nf4", "input", 32, "absmax"),
+    "nf4, 16 inputs": ("nf4", "input", 16, "absmax"),
+    "int4, 64 along the model dimension": ("int4", "model", 64, "absmax"),
+    "int4, 32 inputs (gemmalab)": ("int4", "input", 32, "absmax"),
+    "int4 min/max, 32 inputs": ("int4", "input", 32, "minmax"),
+}
+
+
+def layouts(eval_stories: int) -> None:
+    """The base's held-out perplexity under each of ``LAYOUTS`` (dequantized, so any layout
+    runs through the same model), against the unquantized base."""
+    import jax
+    import jax.numpy as jnp
+    import qwix
+
+    from gemmalab.config import FSDP_AXIS, TrainConfig
+    from gemmalab.model import quantization, sharding
+    from gemmalab.recipes import RECIPES
+    from gemmalab.train.experiment import Experiment
+
+    def requantized(params: dict, qtype: str, along: str, size: int | None, method: str):
+        def one(path, leaf):
+            rule = quantization.quantized_rule(path, leaf)
+            if rule is None:
+                return leaf
+            axis = (quantization.INPUT_AXIS[rule] if along == "input"
+                    else sharding.RULES[rule].index(FSDP_AXIS))
+            packed = qwix.quantize(leaf.astype(jnp.float32), qtype,
+                                   channelwise_axes=[a for a in range(leaf.ndim) if a != axis],
+                                   tiled_axes={} if size is None else {axis: size},
+                                   calibration_method=method)
+            return qwix.dequantize(packed).astype(leaf.dtype)
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        experiment = Experiment.prepare(TrainConfig.flat(**{
+            **RECIPES["demo"], "output_dir": output_dir, "max_eval_stories": eval_stories}))
+        base = experiment.weights.frozen
+        reference = experiment.evaluate()["eval_perplexity"]
+        print(f"held-out perplexity of the embedded 270M base on {eval_stories} stories, "
+              "no training")
+        print(f"| layout | perplexity | vs the base |\n|---|---|---|\n| none (bf16) | "
+              f"{reference:.3f} | |")
+        for name, layout in LAYOUTS.items():
+            experiment.weights.frozen = requantized(base, *layout)
+            perplexity = experiment.evaluate()["eval_perplexity"]
+            print(f"| {name} | {perplexity:.3f} | {perplexity / reference - 1:+.1%} |",
+                  flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -54,7 +115,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--eval-stories", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--layouts", action="store_true",
+                        help="the base's perplexity under other scale layouts, no training")
     args = parser.parse_args()
+    if args.layouts:
+        layouts(args.eval_stories)
+        return
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args.steps, args.eval_stories)))
         return
