@@ -61,8 +61,8 @@ LAYOUTS = {  # name: (qwix type, grouped along "input" or "model", group size, c
     "nf4, 32 inputs (gemmalab)": ("nf4", "input", 32, "absmax"),
     "nf4, 16 inputs": ("nf4", "input", 16, "absmax"),
     "int4, 64 along the model dimension": ("int4", "model", 64, "absmax"),
-    "int4, 32 inputs (gemmalab)": ("int4", "input", 32, "absmax"),
-    "int4 min/max, 32 inputs": ("int4", "input", 32, "minmax"),
+    "int4, 32 inputs": ("int4", "input", 32, "absmax"),
+    "int4 min/max, 32 inputs (gemmalab)": ("int4", "input", 32, "minmax"),
 }
 
 
