@@ -97,6 +97,9 @@ def require_llamacpp_architecture(model_config: Any) -> None:
     if model_config.attn_logits_soft_cap is not None:
         raise ConfigError("model", "attention logit soft-capping has no place in llama.cpp's "
                           "gemma3", "export it as hf instead")
+    if model_config.local_scale_factor != 1.0:  # llama.cpp's SWA layers are never scaled
+        raise ConfigError("model", "RoPE scaling of the local layers has no place in llama.cpp's "
+                          "gemma3", "export it as hf instead")
     _sliding_window_period(model_config)
     # llama.cpp scales queries by 1/sqrt(head_dim), except for the 62-layer (27B) model, where
     # it uses 1/sqrt(embed_dim / num_heads); the model's own normalisation must agree.
@@ -246,9 +249,6 @@ def _add_model_metadata(writer: Any, model_config: Any, gguf_type: str, name: st
 
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(model_config.global_scale_factor))
-    if model_config.local_scale_factor != 1.0:
-        raise ConfigError("model", "RoPE scaling of the local layers has no place in llama.cpp's "
-                          "gemma3", "export it as hf instead")
     if model_config.final_logit_softcap is not None:
         writer.add_final_logit_softcapping(float(model_config.final_logit_softcap))
 

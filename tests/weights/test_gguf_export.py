@@ -246,3 +246,36 @@ def test_the_file_size_bound_holds_and_is_close(tiny, sp_model, tmp_path):
                                        gguf_type=gguf_type)
         size = path.stat().st_size
         assert size <= bound <= size + gguf_export.HEADER_SLACK_BYTES, gguf_type
+
+
+def test_rope_scaling_and_a_final_soft_cap_are_written_as_llamacpp_reads_them(tiny, sp_model,
+                                                                             tmp_path):
+    import dataclasses
+
+    config, params = tiny
+    scaled = dataclasses.replace(config, global_scale_factor=8.0, final_logit_softcap=30.0)
+    path = gguf_export.export_gguf(params, scaled, sp_model, tmp_path / "m.gguf")
+    fields = gguf.read_header(path).fields
+    assert fields["gemma3.rope.scaling.type"] == "linear"
+    assert fields["gemma3.rope.scaling.factor"] == 8.0  # the global layers' only (4B and up)
+    assert fields["gemma3.context_length"] == 131_072
+    assert fields["gemma3.final_logit_softcapping"] == 30.0
+
+
+@pytest.mark.parametrize("change", [
+    {"attn_logits_soft_cap": 50.0},
+    {"local_scale_factor": 2.0},
+    {"use_qk_norm": False},
+    {"attention_types": "all local"},
+])
+def test_a_model_llamacpps_gemma3_cannot_compute_is_refused(tiny, sp_model, tmp_path, change):
+    import dataclasses
+
+    config, params = tiny
+    if change.get("attention_types") == "all local":
+        change = {"attention_types": (config.attention_types[0],) * config.num_layers}
+    with pytest.raises(ConfigError) as error:
+        gguf_export.export_gguf(params, dataclasses.replace(config, **change), sp_model,
+                                tmp_path / "m.gguf")
+    assert error.value.parameter in ("model", "model_config") and "\n" not in str(error.value)
+    assert not list(tmp_path.iterdir())
