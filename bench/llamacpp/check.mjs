@@ -22,7 +22,8 @@ const result = {
     llama_cpp: llama.llamaCppRelease,
     load_seconds: (performance.now() - started) / 1000,
     metadata: model.fileInfo.metadata.general,
-    vocab_size: model.tokens.bos == null ? null : model.fileInfo.metadata.tokenizer?.ggml?.tokens?.length,
+    vocab_size: model.fileInfo.metadata.tokenizer?.ggml?.tokens?.length,
+    vocabulary_type: model.vocabularyType,  // llama.cpp's tokenizer for the file: "spm"
     bos: model.tokens.bos,
     eos: model.tokens.eos,
     eot: model.tokens.eot,
