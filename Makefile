@@ -21,7 +21,7 @@ export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 DEMO_DIR ?= runs/demo
 
-.PHONY: help env libtpu interop demo demo-tiny test test-fast test-numerics lint lock notebooks lab image clean \
+.PHONY: help env libtpu interop llamacpp demo demo-tiny test test-fast test-numerics lint lock notebooks lab image clean \
 	cluster cluster-down cluster-programs etcd
 
 help:
@@ -35,6 +35,7 @@ help:
 	@echo "make cluster - a local Kubernetes (API server, JobSet, Kueue, fake TPU v6e nodes) to rehearse GKE runs on"
 	@echo "make cluster-down - stop it (the built programs stay cached in ~/.cache/gemmalab/cluster)"
 	@echo "make interop - export the tiny presets (Gemma 3 and 4), load them with transformers and peft, compare logits"
+	@echo "make llamacpp - export the demo run as GGUF (bf16, q8_0), run it in the real llama.cpp, compare with gemmalab"
 	@echo "make lint   - ruff"
 	@echo "make notebooks - re-execute the nbval regression copies in tests/notebooks/"
 	@echo "make lab    - JupyterLab on notebooks/ with the project's kernel (headless; LAB_IP, LAB_PORT)"
@@ -87,6 +88,35 @@ interop: $(STAMP) $(INTEROP)/.installed
 	rm -rf $(INTEROP_DIR)
 	$(VENV)/bin/python bench/interop.py --site-packages $(INTEROP) --out $(INTEROP_DIR) \
 		$(if $(INTEROP_RUN),--run $(INTEROP_RUN),)
+
+# node-llama-cpp (llama.cpp's prebuilt linux-x64 CPU build) for bench/llamacpp_check.py, outside
+# .venv and never part of `make test`: npm installs the locked 3.21.1 into .llamacpp/. Its
+# postinstall step (which would build llama.cpp from source when no prebuilt binary fits) is not
+# run: the prebuilt binaries come as the package's own dependencies.
+LLAMACPP := .llamacpp
+LLAMACPP_DIR ?= runs/llamacpp
+# The fine-tuned run to check (default the demo's: `make demo` first), and a chat run whose export
+# carries the chat template (default: a 2-step LoRA run on the embedded instructions, made here).
+LLAMACPP_RUN ?= $(DEMO_DIR)
+LLAMACPP_CHAT_RUN ?= runs/chat-demo
+$(LLAMACPP)/.installed: bench/llamacpp/package.json bench/llamacpp/package-lock.json
+	rm -rf $(LLAMACPP) && mkdir -p $(LLAMACPP)
+	cp bench/llamacpp/package.json bench/llamacpp/package-lock.json $(LLAMACPP)/
+	cd $(LLAMACPP) && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error
+	touch $@
+
+$(LLAMACPP_CHAT_RUN)/summary.json: | $(STAMP)
+	rm -rf $(LLAMACPP_CHAT_RUN) && mkdir -p $(LLAMACPP_CHAT_RUN)
+	$(HEADLESS) notebooks/train.ipynb $(LLAMACPP_CHAT_RUN)/train.ipynb $(DEMO) \
+		-p data_path embedded:instructions -p embedded_stories 400 -p max_steps 2 -p eval_every 2 \
+		-p output_dir $(LLAMACPP_CHAT_RUN) --log-output --no-progress-bar
+
+llamacpp: $(STAMP) $(LLAMACPP)/.installed $(LLAMACPP_CHAT_RUN)/summary.json
+	@test -f $(LLAMACPP_RUN)/summary.json || { echo "no finished run in $(LLAMACPP_RUN):" \
+		"run \`make demo\` first, or give LLAMACPP_RUN=<output_dir>"; exit 2; }
+	rm -rf $(LLAMACPP_DIR)
+	$(VENV)/bin/python bench/llamacpp_check.py --run $(LLAMACPP_RUN) \
+		--chat-run $(LLAMACPP_CHAT_RUN) --node-dir $(LLAMACPP) --out $(LLAMACPP_DIR)
 
 # A fresh run each time: a run directory that holds checkpoints would be resumed instead.
 # The demo recipe (gemmalab/recipes.py; bench/demo_recipe.py, docs/benchmarks/demo-270m.md):
@@ -206,4 +236,4 @@ image:
 	docker build --target $(TARGET) -t $(IMAGE) .
 
 clean:
-	rm -rf $(VENV) $(TOOLS) $(LIBTPU) $(INTEROP) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) $(LIBTPU) $(INTEROP) $(LLAMACPP) runs .pytest_cache .ruff_cache

@@ -265,3 +265,16 @@ def test_allocator_bench_runs_each_setting_turn_about_and_reports_the_ratio(monk
     allocator.main()
     assert calls == [(False, 8, 128, 3), (True, 8, 128, 3)] * 2
     assert "**2.00x**" in capsys.readouterr().out
+
+
+def test_llamacpp_check_applies_the_decided_token_rule_and_masks_perplexity():
+    """bench/llamacpp_check.py's comparisons (llama.cpp itself runs in `make llamacpp` only)."""
+    import llamacpp_check
+
+    ours, margins = [5, 6, 7, 8], [2.0, 1.0, 0.1, 3.0]  # decided: the first two choices
+    agree = llamacpp_check.decided_agreement(ours, margins, [5, 6, 9, 9], margin=0.5)
+    assert (agree["decided_positions"], agree["ok"], agree["identical"],
+            agree["first_difference"]) == (2, True, False, 2)
+    assert not llamacpp_check.decided_agreement(ours, margins, [5, 4, 7, 8], 0.5)["ok"]
+    logprobs = [[np.log(0.5), np.log(0.25)], [np.log(0.5)]]
+    assert llamacpp_check.perplexity(logprobs, [[True, False], [True]]) == pytest.approx(2.0)

@@ -8,7 +8,8 @@
 - ``peft_adapters``: LoRA adapters in PEFT's layout;
 - ``export``: a finished run exported (``python -m gemmalab.weights``);
 - ``gguf``: llama.cpp GGUF files checked, dequantized into their shards and cached;
-- ``gguf_vocab``: a GGUF's vocabulary rebuilt as the SentencePiece model it came from;
+- ``gguf_vocab``: a GGUF's vocabulary rebuilt as the SentencePiece model it came from, and back;
+- ``gguf_export``: a finished run as one llama.cpp GGUF file (gemma3);
 - ``embedded``: the pretrained bases that PyPI packages ship (offline, no hub);
 - ``safetensors_io``: the safetensors file format, read and written by us.
 

@@ -3,9 +3,12 @@
 - ``gemma``: gemma's own format (the Orbax tree ``gm.ckpts.load_params`` reads);
 - ``hf``: a Hugging Face ``Gemma3ForCausalLM`` or ``Gemma4ForCausalLM`` directory
   (``gemmalab.weights.hf_layout``);
-- ``peft``: LoRA adapters alone in PEFT's layout (``gemmalab.weights.peft_adapters``).
+- ``peft``: LoRA adapters alone in PEFT's layout (``gemmalab.weights.peft_adapters``);
+- ``gguf``: one llama.cpp GGUF file (``gemmalab.weights.gguf_export``; a LoRA run's merged
+  weights) for llama.cpp, Ollama, LM Studio.
 
     python -m gemmalab.weights --run runs/x --format hf|gemma|peft --out DIR
+    python -m gemmalab.weights --run runs/x --format gguf --type bf16|f16|f32|q8_0 --out DIR|FILE
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import numpy as np
 
 from gemmalab.errors import ConfigError
 from gemmalab.model import presets
-from gemmalab.weights import hf_layout, orbax_params, peft_adapters
+from gemmalab.weights import gguf_export, hf_layout, orbax_params, peft_adapters
 
-FORMATS = ("hf", "gemma", "peft")
+FORMATS = ("hf", "gemma", "peft", "gguf")
 # The run's tokenizer, beside its params: what the HF export ships.
 TOKENIZER_FILE = "tokenizer.model"
 
@@ -55,12 +58,16 @@ def run_tokenizer(run_dir: str | Path) -> Path:
 def export_run(run_dir: str | Path, fmt: str, out_dir: str | Path, *,
                dtype: str | None = None, tokenizer: str | None = None,
                base_model: str | None = None,
-               max_shard_bytes: int = hf_layout.DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+               max_shard_bytes: int = hf_layout.DEFAULT_MAX_SHARD_BYTES,
+               gguf_type: str = "bf16", force: bool = False,
+               timings: dict[str, float] | None = None) -> list[str]:
     """Export a finished run in ``fmt`` (``FORMATS``).
 
-    A LoRA run saved its merged weights in ``params/`` (exported by hf and gemma) and its
+    A LoRA run saved its merged weights in ``params/`` (exported by hf, gemma and gguf) and its
     adapters alone in ``adapters/`` (exported by peft). ``dtype``: hf default bfloat16, peft
-    float32, gemma the run's own.
+    float32, gemma the run's own. gguf: ``gguf_type`` (``gguf_export.TYPES``), ``out_dir`` a
+    directory (the file is ``<run name>-<type>.gguf`` there) or a ``.gguf`` path; an existing
+    file is replaced only with ``force``; ``timings`` receives the write's seconds and bytes.
     """
 
     if fmt not in FORMATS:
@@ -84,6 +91,9 @@ def export_run(run_dir: str | Path, fmt: str, out_dir: str | Path, *,
             adapters, model_config, out_dir, rank=rank, alpha=settings.get("lora_alpha") or rank,
             base_model_name_or_path=base_model or settings.get("checkpoint", ""),
             dtype=dtype or "float32", token_ids=token_ids, token_rows=token_rows)
+    if fmt == "gguf":
+        return [str(_export_gguf(run, summary, model_config, out_dir, gguf_type=gguf_type,
+                                 tokenizer=tokenizer, force=force, timings=timings))]
     params = orbax_params.load_params(str(run / "params"))
     if fmt == "gemma":
         if dtype is not None:
@@ -92,6 +102,34 @@ def export_run(run_dir: str | Path, fmt: str, out_dir: str | Path, *,
         return [save_gemma_params(params, out_dir)]
     return hf_layout.export_hf(params, model_config, tokenizer or run_tokenizer(run), out_dir,
                      dtype=dtype or "bfloat16", max_shard_bytes=max_shard_bytes)
+
+
+def gguf_path(run_dir: str | Path, out: str | Path, gguf_type: str) -> Path:
+    """Where a run's GGUF goes: ``out`` itself when it names a ``.gguf`` file, else
+    ``<run name>-<type>.gguf`` in the directory ``out``."""
+    out = Path(out)
+    if out.suffix == ".gguf":
+        return out
+    return out / f"{Path(run_dir).resolve().name}-{gguf_type}.gguf"
+
+
+def run_is_chat(summary: dict[str, Any]) -> bool:
+    """Whether a run trained on chat (or preference) data, in Gemma's chat template."""
+    return summary.get("data", {}).get("data_format") in ("chat", "preferences")
+
+
+def _export_gguf(run: Path, summary: dict[str, Any], model_config: Any, out: str | Path, *,
+                 gguf_type: str, tokenizer: str | None, force: bool,
+                 timings: dict[str, float] | None) -> Path:
+    # What needs no weights is checked before the params are read (seconds for a large run).
+    gguf_export.require_type(gguf_type)
+    gguf_export.require_llamacpp_architecture(model_config)
+    path = gguf_path(run, out, gguf_type)
+    gguf_export.require_new_file(path, force)
+    params = orbax_params.load_params(str(run / "params"))
+    return gguf_export.export_gguf(
+        params, model_config, tokenizer or run_tokenizer(run), path, gguf_type=gguf_type,
+        chat=run_is_chat(summary), name=run.resolve().name, force=force, timings=timings)
 
 
 def chosen_formats(formats: str | Sequence[str], run_dir: str | Path, *,
@@ -159,10 +197,12 @@ def _cast(params: dict, dtype: str) -> dict:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gemmalab.weights",
                                 description="Export a finished run: Hugging Face Gemma3ForCausalLM "
-                                "(hf), gemma's Orbax params (gemma) or PEFT LoRA adapters (peft).")
+                                "(hf), gemma's Orbax params (gemma), PEFT LoRA adapters (peft) or "
+                                "one llama.cpp GGUF file (gguf).")
     p.add_argument("--run", required=True, help="the run's output_dir")
     p.add_argument("--format", required=True, choices=FORMATS)
-    p.add_argument("--out", required=True, help="a new (or empty) directory")
+    p.add_argument("--out", required=True, help="a new (or empty) directory; gguf: a directory "
+                   "or a .gguf file path")
     p.add_argument("--dtype", choices=list(hf_layout.EXPORT_DTYPES),
                    help="hf: bfloat16 (default); peft: float32; gemma: the run's own")
     p.add_argument("--tokenizer", help="hf: the SentencePiece .model (default: the run's)")
@@ -170,6 +210,9 @@ def parser() -> argparse.ArgumentParser:
                    "checkpoint)")
     p.add_argument("--max-shard-bytes", type=int, default=hf_layout.DEFAULT_MAX_SHARD_BYTES,
                    help="hf: split model.safetensors into shards of at most this size")
+    p.add_argument("--type", default="bf16", dest="gguf_type",
+                   help=f"gguf: one of {', '.join(gguf_export.TYPES)} (default bf16)")
+    p.add_argument("--force", action="store_true", help="gguf: replace an existing file")
     return p
 
 
@@ -178,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         written = export_run(args.run, args.format, args.out, dtype=args.dtype,
                              tokenizer=args.tokenizer, base_model=args.base_model,
-                             max_shard_bytes=args.max_shard_bytes)
+                             max_shard_bytes=args.max_shard_bytes, gguf_type=args.gguf_type,
+                             force=args.force)
     except ConfigError as error:
         print(f"ConfigError: {error}", file=sys.stderr)
         return 2

@@ -54,7 +54,7 @@ CACHE_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 _FIX = "give a Gemma 3 text model's .gguf file (llama.cpp's gemma3 architecture)"
 
 # llama.cpp's tensor names -> Hugging Face Gemma3ForCausalLM's (in a block: model.layers.N.*).
-_BLOCK_NAMES = {
+BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
@@ -62,14 +62,20 @@ _BLOCK_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
 # The model's shape as the GGUF states it, against gemma's TransformerConfig fields.
-_SHAPE_KEYS = {
+SHAPE_KEYS = {
     "block_count": "num_layers", "embedding_length": "embed_dim",
     "feed_forward_length": "hidden_dim", "attention.head_count": "num_heads",
     "attention.head_count_kv": "num_kv_heads", "attention.key_length": "head_dim",
     "attention.sliding_window": "sliding_window_size",
 }
+
+
+def is_norm_name(name: str) -> bool:
+    """A Gemma RMSNorm weight under llama.cpp's name: stored as ``1 + w`` (its converter adds the
+    1 that Gemma's ``x * (1 + w)`` adds at run time; the export adds it again)."""
+    return name.endswith("norm.weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +88,7 @@ class GGUFTensor:
 
     @property
     def is_norm(self) -> bool:
-        return self.name.endswith("norm.weight")
+        return is_norm_name(self.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +109,7 @@ class GGUFModel:
 
     def shape_fields(self) -> dict[str, int]:
         """gemma ``TransformerConfig`` fields as the file states them."""
-        fields = {field: int(self.metadata[key]) for key, field in _SHAPE_KEYS.items()
+        fields = {field: int(self.metadata[key]) for key, field in SHAPE_KEYS.items()
                   if key in self.metadata}
         return {**fields, "num_embed": self.vocab_size}
 
@@ -402,12 +408,12 @@ def _checked_tensor(header: GGUFHeader, info: TensorInfo, path: Any) -> GGUFTens
 
 def _hf_name(name: str, path: Any) -> str:
     stem, _, suffix = name.rpartition(".")
-    if stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{suffix}"
+    if stem in TOP_NAMES:
+        return f"{TOP_NAMES[stem]}.{suffix}"
     block, _, layer_and_kind = stem.partition(".")
     layer, _, kind = layer_and_kind.partition(".")
-    if block == "blk" and layer.isdigit() and kind in _BLOCK_NAMES:
-        return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+    if block == "blk" and layer.isdigit() and kind in BLOCK_NAMES:
+        return f"model.layers.{layer}.{BLOCK_NAMES[kind]}.{suffix}"
     raise ConfigError("checkpoint", f"{path}: tensor {name} is not part of a Gemma 3 text model",
                       _FIX)
 

@@ -19,6 +19,7 @@ gemma-3-270m's 262,144 pieces.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -159,3 +160,71 @@ def set_normalizer_spec(spec: sp_model.NormalizerSpec) -> None:
     spec.add_dummy_prefix = False
     spec.remove_extra_whitespaces = False
     spec.escape_whitespaces = True
+
+
+# ---------------------------------------------------------------------------------------------
+# The other way: a SentencePiece model as a GGUF's vocabulary (the export, gguf_export).
+#
+# llama.cpp's converter (convert_hf_to_gguf.py, _create_vocab_sentencepiece) types Gemma's added
+# pieces (Google's CONTROL and USER_DEFINED ones, and <unk>) from the Hugging Face tokenizer
+# files: those marked special there (<pad>, <eos>, <bos>, <unk>, <mask> and the chat turns'
+# pieces) or that look special to it (<unusedN>, <|...|>) CONTROL; the rest (the whitespace
+# runs, HTML tags, <start_of_image>, ...) USER_DEFINED with their '▁' written as ' ' (llama.cpp
+# matches them in the raw text, before its own space escaping); all scored -1000. Its tokenizer
+# never splits a CONTROL piece out of plain text, and matches USER_DEFINED ones before
+# SentencePiece's merges, as Google's tokenizer does. The rules below give the embedded Gemma 3
+# GGUF's vocabulary back bit for bit from the model ``model_proto`` rebuilt from it (a test).
+
+ADDED_PIECE_SCORE = -1000.0  # what the converter scores an added piece (never a merge)
+GGUF_TYPE = {sentencepiece: gguf for gguf, sentencepiece in SENTENCEPIECE_TYPE.items()}
+_ADDED = (Piece.CONTROL, Piece.USER_DEFINED, Piece.UNKNOWN)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFVocabulary:
+    """A SentencePiece model as llama.cpp's ``tokenizer.ggml.*`` fields hold it."""
+
+    tokens: list[str]
+    scores: np.ndarray  # float32
+    token_types: np.ndarray  # int32, GGUF's TokenType
+    special_ids: dict[str, int]  # pad/eos/bos/unk, those the model has
+    add_space_prefix: bool
+    end_of_turn: int | None  # <end_of_turn>'s id, a chat's second stop token, when present
+
+
+# Marked special in Gemma's tokenizer_config.json besides pad/eos/bos/unk (Gemma 3's turn pieces,
+# as gemmalab.data.chat.GEMMA3_TURNS spells them; weights may not import data).
+SPECIAL_PIECES = ("<mask>", "<start_of_turn>", "<end_of_turn>")
+
+
+def looks_special(piece: str) -> bool:
+    """An added piece llama.cpp types CONTROL (the rest of them are USER_DEFINED)."""
+    return (piece in SPECIAL_PIECES or (piece.startswith("<unused") and piece.endswith(">"))
+            or (piece.startswith("<|") and piece.endswith("|>")))
+
+
+def gguf_vocabulary(proto: bytes) -> GGUFVocabulary:
+    """The serialized SentencePiece ``ModelProto`` ``proto`` as llama.cpp's converter writes it
+    (see above); ``model_proto`` reads it back as the same SentencePiece model."""
+    model = sp_model.ModelProto()
+    model.ParseFromString(proto)
+    tokens, scores, types = [], [], []
+    for piece in model.pieces:
+        if piece.type in _ADDED:
+            special = looks_special(piece.piece)
+            tokens.append(piece.piece if special else piece.piece.replace(META_SPACE, " "))
+            scores.append(ADDED_PIECE_SCORE)
+            types.append(TokenType.CONTROL if special else TokenType.USER_DEFINED)
+        else:
+            tokens.append(piece.piece)
+            scores.append(piece.score)
+            types.append(GGUF_TYPE[piece.type])
+    spec = model.trainer_spec
+    ids = {name: getattr(spec, f"{name}_id") for name in SPECIAL_ID_KEYS}
+    ids = {name: i for name, i in ids.items() if 0 <= i < len(tokens)}
+    for name in ("pad", "eos", "bos", "unk"):  # llama.cpp never matches them in text
+        if name in ids:
+            types[ids[name]] = TokenType.CONTROL
+    end_of_turn = tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else None
+    return GGUFVocabulary(tokens, np.asarray(scores, np.float32), np.asarray(types, np.int32),
+                          ids, bool(model.normalizer_spec.add_dummy_prefix), end_of_turn)

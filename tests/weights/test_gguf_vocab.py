@@ -271,3 +271,16 @@ def test_a_file_that_is_not_gguf_is_a_one_line_config_error(tmp_path):
     with pytest.raises(ConfigError, match="^checkpoint: .*not a readable GGUF") as raised:
         gguf_vocab.sentencepiece_proto(path)
     assert "\n" not in str(raised.value)
+
+
+def test_the_export_writes_the_embedded_vocabulary_back_bit_for_bit(gguf_path, proto):
+    """The SentencePiece model rebuilt from the embedded GGUF, written as a GGUF's vocabulary
+    (the export's ``gguf_vocabulary``): llama.cpp's converter's pieces, scores and types."""
+    fields = read_header(gguf_path).fields
+    vocabulary = gguf_vocab.gguf_vocabulary(proto)
+    assert vocabulary.tokens == list(fields[gguf.Keys.Tokenizer.LIST])
+    np.testing.assert_array_equal(vocabulary.scores, fields[gguf.Keys.Tokenizer.SCORES])
+    np.testing.assert_array_equal(vocabulary.token_types, fields[gguf.Keys.Tokenizer.TOKEN_TYPE])
+    assert vocabulary.special_ids == {"pad": 0, "eos": 1, "bos": 2, "unk": 3}
+    assert vocabulary.add_space_prefix is fields[gguf.Keys.Tokenizer.ADD_PREFIX] is False
+    assert vocabulary.end_of_turn == 106
