@@ -6,10 +6,10 @@ library, as tunix uses it) quantizes and dequantizes, and holds a weight as its 
 
 - ``int8``: one scale per output channel (the values a row of the matmul's contraction reads).
 - ``int4`` and ``nf4`` (QLoRA's 4-bit NormalFloat): one scale per ``GROUP_SIZE`` inputs of each
-  output channel (int4 also a zero point: ``CALIBRATION``), as llama.cpp's 4-bit blocks: a 4-bit grid is too coarse for a whole row's
-  range. 32, not bitsandbytes' 64: on the embedded 270M, nf4 in groups of 64 / 32 / 16 costs
-  +24% / +18% / +9% held-out perplexity before training (docs/benchmarks/qlora.md), for 0.25
-  more bits a weight at 32 than at 64.
+  output channel (int4 also a zero point: ``CALIBRATION``), as llama.cpp's 4-bit blocks: a
+  4-bit grid is too coarse for a whole row's range. 32, not bitsandbytes' 64: on the embedded
+  270M, nf4 in groups of 64 / 32 / 16 inputs costs +24% / +18% / +9% held-out perplexity before
+  training (docs/benchmarks/qlora.md), for 0.25 more bits a weight at 32 than at 64.
 - Scales are held in the compute dtype, which is what a weight dequantizes to.
 
 What stays in the compute dtype, and why:
