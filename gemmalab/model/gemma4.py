@@ -155,7 +155,8 @@ def experts_class() -> type:
         @nn.compact
         def ragged(self, x: Any, group_sizes: Any) -> Any:
             # QLoRA's quantized base dequantizes here, inside the block (quantization.py).
-            weight = quantization.as_array(self.param("w", nn.initializers.normal(), self.shape))
+            weight = quantization.as_array(self.param("w", nn.initializers.normal(), self.shape),
+                                           after=x)
             if weight.ndim == 4:  # gate|up [E, 2, H, D] as gemma's ragged_dot reads it: [E, D, 2H]
                 experts, _, hidden, features = weight.shape
                 weight = jnp.transpose(weight, (0, 3, 1, 2)).reshape(

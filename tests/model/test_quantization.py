@@ -153,3 +153,16 @@ def test_quantization_is_refused_where_it_cannot_serve():
     odd = {"layer_0": {"mlp": {"linear": jax.ShapeDtypeStruct((100, 64), jnp.float32)}}}
     with pytest.raises(ConfigError, match=r"^base_quantization: layer_0/mlp/linear's 100 inputs"):
         quantization.check_base("int4", odd, {})
+
+
+def test_nf4_decodes_as_qwix_does_by_selects_and_under_a_barrier():
+    """gemmalab decodes nf4 by elementwise selects (qwix's gather costs libtpu 3 GiB of program
+    on 1B) and ties each dequantization to its activation: the same numbers as qwix's."""
+    import qwix
+
+    weight = 0.02 * jax.random.normal(jax.random.key(3), (2, 96, 64))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        packed = quantization.quantize_leaf(weight.astype(dtype), "gating_einsum", "nf4", dtype)
+        np.testing.assert_array_equal(
+            np.asarray(quantization.as_array(packed, after=jnp.ones((3, 64), dtype))),
+            np.asarray(qwix.dequantize(packed)))
