@@ -21,8 +21,10 @@ What stays in the compute dtype, and why:
 
 The frozen base reaches the model as a tree with ``QArray`` leaves; ``dequantizing`` is the flax
 method interceptor that makes each of gemma's ``Einsum``s read its weight dequantized, inside
-its block (so ``remat`` recomputes the dequantization, never holding a dequantized base), and
-gemmalab's own experts dequantize theirs (``as_array``). The adapters keep their dtype.
+its block, tied to the activation it multiplies (so ``remat`` recomputes it and XLA cannot hoist
+every block's to the step's start), and gemmalab's own experts dequantize theirs (``as_array``).
+qwix quantizes and dequantizes, but for nf4's decoding, done here by selects (``as_array``
+says why). The adapters keep their dtype.
 """
 
 from __future__ import annotations
