@@ -22,35 +22,6 @@ RANK, ALPHA = FIXTURE["lora_rank"], FIXTURE["lora_alpha"]
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    """The tiny preset's config and random float32 params (fixture's vocabulary)."""
-    import jax.numpy as jnp
-
-    config = presets.model_config("gemma3-tiny", VOCAB)
-    model = presets.build_model(config, param_dtype=jnp.float32)
-    params = presets.init_params(model, seed=0, sample_length=8)
-    # Norm scales start at zero: give them values, so that a swapped norm cannot pass.
-    rng = np.random.default_rng(0)
-    params = _map_norms(params, lambda w: rng.normal(size=w.shape).astype(np.float32))
-    return config, params
-
-
-def _map_norms(tree, fn):
-    return {k: (_map_norms(v, fn) if isinstance(v, dict) else fn(v) if k == "scale" else v)
-            for k, v in tree.items()}
-
-
-@pytest.fixture(scope="module")
-def sp_model(tmp_path_factory, stories_file):
-    from gemmalab.data import documents, tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer") / "tiny.model"
-    tokenizer.train_local_tokenizer(documents.iter_stories(str(stories_file)), path,
-                                    vocab_size=VOCAB)
-    return path
-
-
-@pytest.fixture(scope="module")
 def adapters(tiny):
     """Random LoRA adapters (``b`` non-zero, unlike a fresh init) on every projection."""
     import jax

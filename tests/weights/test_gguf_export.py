@@ -33,32 +33,6 @@ TEXTS = ["Once upon a time, there was a girl named Amy.", "  two  spaces\n\nand 
          "<start_of_turn>user\nHi<end_of_turn>\n", "café 🎉 ñ"]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """The tiny preset's config and random float32 params, norm scales non-zero."""
-    import jax
-    import jax.numpy as jnp
-
-    config = presets.model_config("gemma3-tiny", VOCAB)
-    model = presets.build_model(config, param_dtype=jnp.float32)
-    params = presets.init_params(model, seed=0, sample_length=8)
-    rng = np.random.default_rng(0)
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, w: (rng.normal(size=w.shape).astype(np.float32) if path[-1].key == "scale"
-                         else np.asarray(w, np.float32)), params)
-    return config, params
-
-
-@pytest.fixture(scope="module")
-def sp_model(tmp_path_factory, stories_file):
-    from gemmalab.data import documents, tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer") / "tiny.model"
-    tokenizer.train_local_tokenizer(documents.iter_stories(str(stories_file)), path,
-                                    vocab_size=VOCAB)
-    return path
-
-
 def _fake_run(run_dir: Path, params, config, tokenizer_path, *, adapters=None, chat=False,
               **settings) -> Path:
     """A run's output_dir as a finished run leaves it (params/, LoRA: adapters/, summary.json,

@@ -149,15 +149,6 @@ def _random_params(name, vocab, seed=0):
     return config, params
 
 
-@pytest.fixture(scope="module")
-def sp_model(tmp_path_factory, stories_file):
-    from gemmalab.data import documents, tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer") / "tiny.model"
-    return tokenizer.train_local_tokenizer(documents.iter_stories(str(stories_file)), path,
-                                           vocab_size=600)
-
-
 @pytest.mark.parametrize("name", PRESETS)
 def test_export_then_import_is_exact_in_float32(name, sp_model, tmp_path):
     config, params = _random_params(name, 600)
