@@ -32,6 +32,7 @@ documents' windows, the same windows for every kit, bf16 forward passes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -50,6 +51,7 @@ LEARNING_RATE, B1, B2, WEIGHT_DECAY, CLIP = 1e-3, 0.9, 0.95, 0.01, 1.0
 EVAL_BATCH = 8
 BOS, EOS = 2, 1
 STORIES = 2000
+HELD_OUT_IDS = 6500  # the held-out documents kept, in order, until they hold this many ids
 SEED = 0
 HERE = Path(__file__).resolve().parent
 
@@ -115,10 +117,32 @@ def mean_nll(logits_of, batches: list[dict[str, np.ndarray]]) -> float:
     return total / count
 
 
+@contextlib.contextmanager
+def compiles_counted(at_least_s: float = 1.0):
+    """The XLA compiles of at least ``at_least_s`` seconds while the block runs (a list of their
+    seconds): the train step's, and its recompiles."""
+    import jax
+
+    seconds: list[float] = []
+    counting = [True]
+
+    def heard(event: str, duration: float, **_: object) -> None:
+        if (counting[0] and event == "/jax/core/compile/backend_compile_duration"
+                and duration >= at_least_s):
+            seconds.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        yield seconds
+    finally:
+        counting[0] = False
+
+
 def step_figures(step_seconds: list[float], batch_useful: list[int]) -> dict:
     """Median step (the first, which compiles, left out), compile seconds (the first step less
     the median), useful tokens / s over the timed steps (``batch_useful``: each step's targets,
     the first ``len(step_seconds)`` of them timed), the process's peak RSS."""
+    print("step seconds:", " ".join(f"{t:.2f}" for t in step_seconds), file=sys.stderr)
     timed = step_seconds[1:]
     median = statistics.median(timed)
     return {"steps": len(batch_useful), "step_s": median,
@@ -175,6 +199,18 @@ def run_gemmalab(job: dict) -> dict:
             "useful_share": summary["useful_token_share"]}
 
 
+def place(module, mesh) -> None:
+    """Every array of an nnx module (the model, the optimizer) put on ``mesh`` by its partition
+    spec, as tunix's examples do, so that the step's inputs keep one placement from step 1 on."""
+    import jax
+    from flax import nnx
+
+    state = nnx.state(module)
+    specs = nnx.get_partition_spec(state)
+    nnx.update(module, jax.device_put(state, jax.tree.map(
+        lambda spec: jax.sharding.NamedSharding(mesh, spec), specs)))
+
+
 # -- tunix ---------------------------------------------------------------------------------------
 
 def run_tunix(job: dict) -> dict:
@@ -191,21 +227,21 @@ def run_tunix(job: dict) -> dict:
     from flax import nnx
     from tunix.models.gemma3 import model as gemma3_model
     from tunix.models.gemma3 import params_safetensors
-    from tunix.rl import reshard
     from tunix.sft import peft_trainer, utils
 
     batch, maxlen = job["batch"], job["maxlen"]
-    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"))
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     config = gemma3_model.ModelConfig.gemma3_270m()
     base = params_safetensors.create_model_from_safe_tensors(job["hf"], config, mesh,
                                                              dtype=jnp.bfloat16)
     provider = qwix.LoraProvider(
         module_path=".*q_einsum|.*kv_einsum|.*attn_vec_einsum|.*gate_proj|.*up_proj|.*down_proj",
         rank=RANK, alpha=float(RANK))
-    model = qwix.apply_lora_to_model(base, provider, **base.get_model_input())
-    adapters = nnx.state(model, nnx.LoRAParam)
-    nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.float32), adapters))
-    model = reshard.reshard_model_to_mesh(model, mesh)
+    with mesh:
+        model = qwix.apply_lora_to_model(base, provider, **base.get_model_input())
+        adapters = nnx.state(model, nnx.LoRAParam)
+        nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.float32), adapters))
+    place(model, mesh)
 
     def inputs_of(tokens, mask):
         return {"input_tokens": tokens, "input_mask": mask,
@@ -223,6 +259,7 @@ def run_tunix(job: dict) -> dict:
                             optax.adamw(LEARNING_RATE, b1=B1, b2=B2, weight_decay=WEIGHT_DECAY))
     trainer = peft_trainer.PeftTrainer(model, optimizer, peft_trainer.TrainingConfig(
         eval_every_n_steps=10**9, max_inflight_computations=1, pbar_description=None))
+    place(trainer.optimizer, mesh)
     trainer = trainer.with_loss_fn(loss_fn).with_gen_model_input_fn(
         lambda x: inputs_of(x.input_tokens, x.input_mask))
     # tunix's loss shifts the row: a row of ``maxlen`` ids has ``maxlen - 1`` targets.
@@ -246,17 +283,17 @@ def run_tunix(job: dict) -> dict:
 
     with mesh:
         before = mean_nll(logits_of, job["held_out"])
-        trainer.train(batches())
+        with compiles_counted() as compiles:
+            trainer.train(batches())
         jax.block_until_ready(nnx.state(model))
         ticks.append(time.perf_counter())
         after = mean_nll(logits_of, job["held_out"])
-    compiles = trainer._jitted_train_step_fn.func.jitted_fn._cache_size()  # noqa: SLF001
     # One step in flight: between two batches' requests, step k - 1 runs and step k is sent
     # (the first interval: the compile). The last step, which ends with the trainer's close,
     # is not timed.
     gaps = np.diff(ticks[:-1]).tolist()
     return {**step_figures([gaps[0] + gaps[1], *gaps[2:]], batch_useful),
-            "held_out_before": before, "held_out_after": after, "compiles": compiles,
+            "held_out_before": before, "held_out_after": after, "step_compiles": len(compiles),
             "useful_share": sum(batch_useful) / (len(ids) * (maxlen - 1))}
 
 
@@ -300,12 +337,13 @@ def run_keras_hub(job: dict) -> dict:
         return lm({"token_ids": b["inputs"], "padding_mask": b["input_mask"]}, training=False)
 
     before = mean_nll(logits_of, job["held_out"])
-    lm.fit(x={"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}, y=ids[:, 1:],
-           sample_weight=mask[:, 1:].astype("float32"), batch_size=batch, epochs=1,
-           shuffle=False, callbacks=[Clock()], verbose=0)
+    with compiles_counted() as compiles:
+            lm.fit(x={"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}, y=ids[:, 1:],
+               sample_weight=mask[:, 1:].astype("float32"), batch_size=batch, epochs=1,
+               shuffle=False, callbacks=[Clock()], verbose=0)
     after = mean_nll(logits_of, job["held_out"])
     return {**step_figures(np.diff(ticks).tolist(), batch_useful),
-            "held_out_before": before, "held_out_after": after,
+            "held_out_before": before, "held_out_after": after, "step_compiles": len(compiles),
             "useful_share": sum(batch_useful) / (len(ids) * maxlen)}
 
 
@@ -394,7 +432,9 @@ def one(job_path: Path) -> None:
     job = json.loads(job_path.read_text())
     ids = json.loads(Path(job["documents"]).read_text())
     job["train"] = ids["train"]
-    job["held_out"] = held_out_batches(ids["held_out"], job["maxlen"])
+    kept = np.cumsum([len(doc) for doc in ids["held_out"]]) <= HELD_OUT_IDS
+    job["held_out"] = held_out_batches([d for d, k in zip(ids["held_out"], kept, strict=True) if k],
+                                       job["maxlen"])
     result = RUNS[job["kit"]](job)
     print("RESULT " + json.dumps({k: float(v) for k, v in result.items()}), flush=True)
 
