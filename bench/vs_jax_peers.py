@@ -406,6 +406,8 @@ def kit_environment(kit: str) -> dict[str, str]:
 
     plain = allocator.without_allocator(os.environ)
     if kit == "gemmalab":
+        if allocator.CHOICE in os.environ:
+            plain[allocator.CHOICE] = os.environ[allocator.CHOICE]
         return {**plain, **allocator.environment(plain), "PYTHONPATH": str(HERE.parent)}
     return {**plain, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
@@ -485,8 +487,9 @@ def main() -> None:
                 kits = args.kits if round_ % 2 == 0 else args.kits[::-1]
                 for kit in kits:
                     got = run_kit(args, kit, corpus_name, maxlen)
+                    load = os.getloadavg()[0]  # over the last minute of the kit's run
                     results.append({"corpus": corpus_name, "maxlen": maxlen, "round": round_,
-                                    "kit": kit, "load_1min": os.getloadavg()[0], **got})
+                                    "kit": kit, "load_1min": load, **got})
                     print(json.dumps(results[-1]), flush=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     print(table(results))
