@@ -151,6 +151,12 @@ def step_figures(step_seconds: list[float], batch_useful: list[int]) -> dict:
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+def high_water_gb() -> float:
+    """This process's peak RSS so far (``VmHWM``), GB."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("VmHWM")).split()[1]) / 2**20
+
+
 # -- gemmalab ------------------------------------------------------------------------------------
 
 def run_gemmalab(job: dict) -> dict:
@@ -171,6 +177,7 @@ def run_gemmalab(job: dict) -> dict:
             max_steps=math.ceil(job["budget"] / (batch * maxlen)), eval_every=0,
             checkpoint_every=0, max_eval_stories=8, seed=SEED, output_dir=output_dir))
         weights = experiment.weights
+        marks = {"hwm_prepared_gb": high_water_gb()}
 
         def held_out_loss() -> float:
             batches = []
@@ -185,7 +192,9 @@ def run_gemmalab(job: dict) -> dict:
                                          experiment.mesh, weights.frozen)["eval_loss"]
 
         before = held_out_loss()
+        marks["hwm_held_out_gb"] = high_water_gb()
         summary = experiment.train(progress=False)
+        marks["hwm_trained_gb"] = high_water_gb()
         after = held_out_loss()
     history = experiment.history
     figures = step_figures([r["step_time_s"] for r in history],
@@ -193,7 +202,7 @@ def run_gemmalab(job: dict) -> dict:
     # The step is compiled ahead of the first (``Experiment.compile``): its own seconds.
     figures["compile_s"] = summary["startup"]["compile_s"]
     flops = summary["model_flops_per_step"] / figures["step_s"]
-    return {**figures, "held_out_before": before, "held_out_after": after,
+    return {**figures, **marks, "held_out_before": before, "held_out_after": after,
             "cpu_mfu": flops / summary["host_matmul_flops_per_s"],
             "cpu_mfu_mean_step": summary["cpu_mfu"],
             "useful_share": summary["useful_token_share"]}
