@@ -250,7 +250,8 @@ def run_tunix(job: dict) -> dict:
         model = qwix.apply_lora_to_model(base, provider, **base.get_model_input())
         adapters = nnx.state(model, nnx.LoRAParam)
         nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.float32), adapters))
-    place(model, mesh)
+    if job["place"]:
+        place(model, mesh)
 
     def inputs_of(tokens, mask):
         return {"input_tokens": tokens, "input_mask": mask,
@@ -268,7 +269,8 @@ def run_tunix(job: dict) -> dict:
                             optax.adamw(LEARNING_RATE, b1=B1, b2=B2, weight_decay=WEIGHT_DECAY))
     trainer = peft_trainer.PeftTrainer(model, optimizer, peft_trainer.TrainingConfig(
         eval_every_n_steps=10**9, max_inflight_computations=1, pbar_description=None))
-    place(trainer.optimizer, mesh)
+    if job["place"]:
+        place(trainer.optimizer, mesh)
     trainer = trainer.with_loss_fn(loss_fn).with_gen_model_input_fn(
         lambda x: inputs_of(x.input_tokens, x.input_mask))
     # tunix's loss shifts the row: a row of ``maxlen`` ids has ``maxlen - 1`` targets.
@@ -425,7 +427,8 @@ def run_kit(args: argparse.Namespace, kit: str, corpus_name: str, maxlen: int) -
     job = {"kit": kit, "hf": str(args.out / "hf"), "cache_dir": args.cache_dir,
            "train_text": str(args.out / f"{corpus_name}.txt"),
            "documents": str(args.out / f"{corpus_name}.json"), "batch": args.batch_size,
-           "maxlen": maxlen, "budget": args.steps * args.batch_size * maxlen}
+           "maxlen": maxlen, "budget": args.steps * args.batch_size * maxlen,
+           "place": not args.tunix_unplaced}
     path = args.out / "job.json"
     path.write_text(json.dumps(job))
     done = subprocess.run([kit_python(kit), __file__, "--one", str(path)], capture_output=True,
@@ -477,6 +480,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8,
                         help="the useful-token budget of every kit, in full rows' worth of steps")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tunix-unplaced", action="store_true",
+                        help="tunix as shipped: the model and optimizer not placed on the mesh")
     args = parser.parse_args()
     if args.one:
         return one(args.one)
