@@ -21,7 +21,7 @@ export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 DEMO_DIR ?= runs/demo
 
-.PHONY: help env libtpu interop llamacpp demo demo-tiny test test-fast test-numerics lint lock notebooks lab image clean \
+.PHONY: help env libtpu interop llamacpp peers peers-lock demo demo-tiny test test-fast test-numerics lint lock notebooks lab image clean \
 	cluster cluster-down cluster-programs etcd
 
 help:
@@ -36,6 +36,7 @@ help:
 	@echo "make cluster-down - stop it (the built programs stay cached in ~/.cache/gemmalab/cluster)"
 	@echo "make interop - export the tiny presets (Gemma 3 and 4), load them with transformers and peft, compare logits"
 	@echo "make llamacpp - export the demo run as GGUF (bf16, q8_0), run it in the real llama.cpp, compare with gemmalab"
+	@echo "make peers  - tunix and keras-hub, each in its own pinned venv under .peers/ (bench/vs_jax_peers.py)"
 	@echo "make lint   - ruff"
 	@echo "make notebooks - re-execute the nbval regression copies in tests/notebooks/"
 	@echo "make lab    - JupyterLab on notebooks/ with the project's kernel (headless; LAB_IP, LAB_PORT)"
@@ -117,6 +118,26 @@ llamacpp: $(STAMP) $(LLAMACPP)/.installed $(LLAMACPP_CHAT_RUN)/summary.json
 	rm -rf $(LLAMACPP_DIR)
 	$(VENV)/bin/python bench/llamacpp_check.py --run $(LLAMACPP_RUN) \
 		--chat-run $(LLAMACPP_CHAT_RUN) --node-dir $(LLAMACPP) --out $(LLAMACPP_DIR)
+
+# The JAX kits a user would pick instead of gemmalab, for bench/vs_jax_peers.py: google-tunix and
+# keras-hub, each in its own venv under .peers/ (never .venv, never `make test`), installed exactly
+# from bench/peers/*-requirements.txt (every transitive version pinned, resolved from the *.in
+# files by `make peers-lock`; jax pinned to .venv's, so all three kits run the same XLA).
+# keras-hub needs TensorFlow even on JAX (tensorflow-text, imported by its tokenizers): ~2 GB.
+PEERS := .peers
+PEER_KITS := tunix keras-hub
+$(PEERS)/%/.installed: bench/peers/%-requirements.txt | $(UV)
+	rm -rf $(PEERS)/$*
+	$(UV) venv --quiet --python "$$(scripts/find-python312)" $(PEERS)/$*
+	$(UV) pip sync --quiet --compile-bytecode --python $(PEERS)/$*/bin/python $<
+	touch $@
+
+peers: $(foreach kit,$(PEER_KITS),$(PEERS)/$(kit)/.installed)
+
+peers-lock: $(UV)
+	$(foreach kit,$(PEER_KITS),$(UV) pip compile --quiet --python-version 3.12 \
+		--python-platform x86_64-manylinux_2_28 bench/peers/$(kit).in \
+		-o bench/peers/$(kit)-requirements.txt;)
 
 # A fresh run each time: a run directory that holds checkpoints would be resumed instead.
 # The demo recipe (gemmalab/recipes.py; bench/demo_recipe.py, docs/benchmarks/demo-270m.md):
@@ -236,4 +257,4 @@ image:
 	docker build --target $(TARGET) -t $(IMAGE) .
 
 clean:
-	rm -rf $(VENV) $(TOOLS) $(LIBTPU) $(INTEROP) $(LLAMACPP) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) $(LIBTPU) $(INTEROP) $(LLAMACPP) $(PEERS) runs .pytest_cache .ruff_cache

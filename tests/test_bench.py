@@ -278,3 +278,30 @@ def test_llamacpp_check_applies_the_decided_token_rule_and_masks_perplexity():
     assert not llamacpp_check.decided_agreement(ours, margins, [5, 4, 7, 8], 0.5)["ok"]
     logprobs = [[np.log(0.5), np.log(0.25)], [np.log(0.5)]]
     assert llamacpp_check.perplexity(logprobs, [[True, False], [True]]) == pytest.approx(2.0)
+
+
+def test_jax_peers_bench_counts_useful_targets_and_pins_every_peer_package():
+    """bench/vs_jax_peers.py: the peers' padded rows, their useful (loss-bearing) targets per
+    batch, the held-out windows' target mask; and ``make peers``' files pin every package."""
+    import vs_jax_peers
+
+    docs = [[2, 5, 6, 1], [2, 7, 1], [2, 8, 9, 10, 11, 12, 1]]  # 4, 3 and 7 ids
+    ids, mask, per_batch = vs_jax_peers.rows_for_budget(docs, batch=2, length=5, budget=6)
+    assert ids.shape[1] == 5 and len(ids) % 2 == 0
+    # each row: its first ``length`` ids, padding masked; targets: a row's real ids but its first
+    assert per_batch == [int(mask[i:i + 2, 1:].sum()) for i in range(0, len(ids), 2)]
+    order = np.random.default_rng(vs_jax_peers.SEED).permutation(len(docs))
+    picked = [docs[order[i % len(docs)]] for i in range(len(ids))]  # shuffled, cycled
+    assert [int(m.sum()) for m in mask] == [min(len(d), 5) for d in picked]
+    assert sum(per_batch) >= 6
+    assert not ids[~mask].any()
+    batches = vs_jax_peers.held_out_batches([[2, 5, 6, 7, 8, 1]], maxlen=4)
+    assert len(batches) == 1 and batches[0]["inputs"].shape == (vs_jax_peers.EVAL_BATCH, 4)
+    # windows of maxlen + 1 ids: [2 5 6 7 8] then [8 1]: 4 + 1 targets, the filler rows none
+    assert batches[0]["target_mask"].sum() == 5
+    assert batches[0]["targets"][1, 0] == 1
+    for kit in ("tunix", "keras-hub"):
+        pins = (BENCH / "peers" / f"{kit}-requirements.txt").read_text().splitlines()
+        packages = [line for line in pins if line and not line.startswith(("#", " "))]
+        assert packages and all("==" in line for line in packages), kit
+        assert any(line.startswith("jax==") for line in packages)
