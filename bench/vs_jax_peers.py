@@ -148,13 +148,12 @@ def step_figures(step_seconds: list[float], batch_useful: list[int]) -> dict:
     return {"steps": len(batch_useful), "step_s": median,
             "compile_s": step_seconds[0] - median, "useful_tokens": sum(batch_useful),
             "useful_tokens_per_s": sum(batch_useful[1:len(step_seconds)]) / sum(timed),
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "peak_rss_gb": high_water_gb()}
 
 
 def high_water_gb() -> float:
-    """This process's peak RSS so far (``VmHWM``), GB."""
-    status = Path("/proc/self/status").read_text()
-    return int(next(x for x in status.splitlines() if x.startswith("VmHWM")).split()[1]) / 2**20
+    """This process's peak RSS so far, GB (``ru_maxrss``: the kernel's ``VmHWM``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 # -- gemmalab ------------------------------------------------------------------------------------
