@@ -112,9 +112,9 @@ MUTANTS = {
     # The loss mask dropped: padding becomes a target, as in the tutorial.
     "mask_dropped": (
         "import gemmalab.model.cross_entropy as _loss\n"
-        "_masked = _loss.masked_cross_entropy\n"
-        "_loss.masked_cross_entropy = lambda logits, targets, mask: "
-        "_masked(logits, targets, mask | True)"),
+        "_masked = _loss.chunked_cross_entropy\n"
+        "_loss.chunked_cross_entropy = lambda hidden, embedding, targets, mask, **kw: "
+        "_masked(hidden, embedding, targets, mask | True, **kw)"),
 }
 
 

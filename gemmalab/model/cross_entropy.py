@@ -86,8 +86,8 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
     and computed each of them, 4x the loss's FLOPs on 4 chips.) Under fsdp the embedding is
     gathered whole first (its embed dimension is split over the rows' axis too; left to itself
     XLA moved the rows instead, and a 1B step took 2.8x the memory). When the whole batch's
-    logits fit in one chunk (small vocabularies, small batches) they are kept and plain autodiff
-    runs through them.
+    logits fit in one chunk (small vocabularies, small batches) there is one chunk, formed the
+    same way.
     """
     # The scope names the loss's ops in profiles (trace_analysis.time_by_part).
     with jax.named_scope(LOSS_SCOPE):
@@ -121,25 +121,9 @@ def _chunked_nll(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, ma
     vocab = embedding.shape[0]
     fields = (targets, mask) if segment_ids is None else (targets, mask, segment_ids)
 
-    def one_chunk(args: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        h, t, m, *segments = args
-        logits = jnp.einsum("...d,vd->...v", h, embedding)
-        if row_updates is not None:
-            ids, update = row_updates
-            logits = logits.at[..., ids].add(jnp.einsum("...d,kd->...k", h, update))
-        if softcap is not None:
-            logits = jnp.tanh(logits / softcap) * softcap
-        if not segments:
-            return masked_cross_entropy(logits, t, m)
-        m = m.astype(jnp.float32)
-        columns = jnp.arange(1, num_segments + 1, dtype=segments[0].dtype)
-        of_segment = (segments[0][..., None] == columns).astype(jnp.float32)  # [rows, span, S]
-        return (jnp.einsum("rl,rls->rs", token_nll(logits, t) * m, of_segment),
-                jnp.einsum("rl,rls->rs", m, of_segment))
-
-    span = max(1, max_logits // vocab // rows)  # positions per chunk
-    if span >= length:  # all logits fit in the bound: keep them, recompute nothing
-        return one_chunk((hidden, *fields))
+    # Positions per chunk. All of them in one when their logits fit the bound: the gradient is
+    # still formed in the forward pass (the logits are written once, in float32, and never kept).
+    span = min(length, max(1, max_logits // vocab // rows))
     padding = -length % span
     if padding:
         hidden = jnp.pad(hidden, ((0, 0), (0, padding), (0, 0)))
@@ -183,7 +167,11 @@ def _fused_chunks(hidden: jax.Array, embedding: jax.Array, update: jax.Array | N
 
 def _chunk_logits(h: jax.Array, embedding: jax.Array, update: jax.Array | None,
                   ids: jax.Array | None, softcap: float | None) -> jax.Array:
-    logits = jnp.einsum("...d,vd->...v", h, embedding)
+    """A chunk's logits in float32 whatever the compute dtype: the matmul accumulates in float32,
+    and on CPUs writing that out is faster than rounding it to bfloat16 (the 270M's loss over
+    1,024 x 262k logits, forward and gradient: 1.11x, for 0.5 GiB more of temporaries,
+    bench/logits_float32.py); the softmax then reads them with no widening."""
+    logits = jnp.einsum("...d,vd->...v", h, embedding, preferred_element_type=jnp.float32)
     if update is not None:
         logits = logits.at[..., ids].add(jnp.einsum("...d,kd->...k", h, update))
     if softcap is not None:
@@ -210,11 +198,12 @@ def _unit_logit_gradient(h: jax.Array, embedding: jax.Array, update: jax.Array |
                          ids: jax.Array | None, softcap: float | None, t: jax.Array, m: jax.Array
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A chunk's masked NLL, and its gradient w.r.t. the (uncapped) logits for a cotangent of
-    one at every position, in the logits' dtype: ``(nll, gradient, logsumexp)``."""
+    one at every position, in the embedding's dtype (the next matmul's):
+    ``(nll, gradient, logsumexp)``."""
     logits = _chunk_logits(h, embedding, update, ids, softcap)
     nll, (_, _, logsumexp) = _token_nll_forward(logits, t)
     gradient = _logit_gradient(logits, logsumexp, t, m.astype(jnp.float32), softcap, axis=-1)
-    return nll, gradient, logsumexp
+    return nll, gradient.astype(embedding.dtype), logsumexp
 
 
 def _logit_gradient(logits: jax.Array, logsumexp: jax.Array, targets: jax.Array,
@@ -243,22 +232,23 @@ def _chunk_embedding_gradient(embedding: jax.Array, update: jax.Array | None,
                               logsumexp: jax.Array) -> jax.Array:
     """A chunk's share of the embedding's gradient, ``sum_t g[t, v] h[t, d]``, in its dtype.
 
-    The chunk's logits are recomputed vocabulary-major, ``[V, tokens]``, so that the gradient
-    ``g`` is laid out ``[V, tokens]`` and the product contracts the last dimension of its left
-    operand: the form XLA's CPU backend hands to its fast matmul library. Written from
+    The chunk's logits are recomputed (in float32, as ``_chunk_logits``) vocabulary-major,
+    ``[V, tokens]``, so that the gradient ``g`` is laid out ``[V, tokens]`` and the product
+    contracts the last dimension of its left operand: the form XLA's CPU backend hands to its
+    fast matmul library. Written from
     ``[tokens, V]`` (what autodiff does), the same product contracts dimension 0 of both
     operands and ran 2.2x slower (3.8 s against 1.7 s at the 270M's 1,024 tokens x 262k, bf16;
     a transpose in between is folded away by XLA, or costs what it saves).
     """
     tokens = h.reshape(-1, h.shape[-1])
-    logits = jnp.einsum("vd,td->vt", embedding, tokens)
+    logits = jnp.einsum("vd,td->vt", embedding, tokens, preferred_element_type=jnp.float32)
     if update is not None:
         logits = logits.at[ids].add(jnp.einsum("kd,td->kt", update, tokens))
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
     weight = (mask.astype(jnp.float32) * weight.astype(jnp.float32)).reshape(-1)
     gradient = _logit_gradient(logits, logsumexp.reshape(-1), targets.reshape(-1), weight,
-                               softcap, axis=0)
+                               softcap, axis=0).astype(embedding.dtype)
     return jnp.einsum("vt,td->vd", gradient, tokens).astype(embedding.dtype)
 
 

@@ -15,6 +15,7 @@ from gemmalab.config import (
     AXES,
     DATA_AXIS,
     FSDP_AXIS,
+    LoRAConfig,
     ModelConfig,
     RuntimeConfig,
     TrainConfig,
@@ -255,7 +256,8 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
     # params (LoRA's reference is its frozen base, counted in "params").
     reference = {"reference": sum(shards.values()) * c_size} if dpo and not config.lora.rank \
         else {}
-    quantized = _quantized_base_bytes(model_config, config, abstract_mesh, sizes, used)
+    quantized = _quantized_base_bytes(model_config, config.lora, config.model, abstract_mesh,
+                                      sizes, used)
     held_base = quantized[0] if quantized else sum(shards.values()) * c_size
     breakdown = {
         "params": (held_base + weights) if config.lora.rank else weights,
@@ -310,8 +312,9 @@ def _ways(axis: Any, sizes: dict[str, int]) -> int:
     return math.prod(sizes[a] for a in axes)
 
 
-def _quantized_base_bytes(model_config: Any, config: TrainConfig, abstract_mesh: Any,
-                          sizes: dict[str, int], used: dict[str, int]) -> tuple[int, int] | None:
+def _quantized_base_bytes(model_config: Any, lora_config: LoRAConfig, model: ModelConfig,
+                          abstract_mesh: Any, sizes: dict[str, int], used: dict[str, int]
+                          ) -> tuple[int, int] | None:
     """QLoRA (``lora.base_quantization``): ``(bytes of the quantized base one device holds,
     bytes of its dequantized copies)``, else None.
 
@@ -319,24 +322,24 @@ def _quantized_base_bytes(model_config: Any, config: TrainConfig, abstract_mesh:
     scales in the compute dtype) cut by the one table. Its copies: a projection dequantizes
     inside its block, so with remat two blocks' weights are alive at once in the compute dtype,
     and without remat every block's (the backward pass keeps what the forward dequantized)."""
-    fmt = config.lora.base_quantization
-    if not config.lora.rank or fmt == "none":
+    fmt = lora_config.base_quantization
+    if not lora_config.rank or fmt == "none":
         return None
     import jax
     import numpy as np
 
     from gemmalab.model import sharding
 
-    base = quantization.abstract_base(abstract_params(model_config, config.model.compute_dtype),
-                                      fmt, config.model.compute_dtype)
+    base = quantization.abstract_base(abstract_params(model_config, model.compute_dtype),
+                                      fmt, model.compute_dtype)
     held = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(base):
         spec = tuple(sharding.weight_spec(path, leaf.shape, abstract_mesh))
         ways = math.prod(_ways(axis, sizes) for axis in spec)
         held += sharding.array_bytes(leaf) // ways
-    c_size = np.dtype(jax.numpy.dtype(config.model.compute_dtype)).itemsize
+    c_size = np.dtype(jax.numpy.dtype(model.compute_dtype)).itemsize
     blocks = [n for k, n in used.items() if k.startswith("layer_")]
-    live = sum(blocks) if config.model.remat == "none" else 2 * max(blocks, default=0)
+    live = sum(blocks) if model.remat == "none" else 2 * max(blocks, default=0)
     return held, live * c_size
 
 

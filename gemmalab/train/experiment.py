@@ -29,7 +29,7 @@ import numpy as np
 
 from gemmalab import storage
 from gemmalab.accelerators import attached_accelerator, peak_device_bytes
-from gemmalab.config import TrainConfig
+from gemmalab.config import DPOConfig, TrainConfig
 from gemmalab.data import chat as chat_template
 from gemmalab.data import packing
 from gemmalab.data.documents import CONVERSATIONAL
@@ -193,7 +193,8 @@ class Experiment:
                         adapters=(active_adapters(prepared.model_config, weights.state.params)
                                   if adapters else 0)),
             devices, host_peak_flops_per_s=host_rate)
-        preference = _preference(config, base_model, data)
+        preference = _preference(config.trainer.objective, config.data.path, config.dpo,
+                                 config.lora.enabled, base_model, data)
         eval_step = optimization.make_eval_step(model, jnp.dtype(config.model.compute_dtype),
                                                 device_mesh, weights.state_shardings.params,
                                                 weights.frozen_shardings, preference)
@@ -383,7 +384,7 @@ class Experiment:
         return self.summary
 
     def _record_eval(self, step: int, log: metrics.StepLog) -> dict[str, Any]:
-        return log.evaluation(step, self.evaluate())
+        return log.evaluation(step, self.evaluate)  # run once the last step is timed
 
     def _save_checkpoint(self, step: int) -> None:
         started = time.perf_counter()
@@ -472,13 +473,13 @@ class Experiment:
         return path
 
 
-def _preference(config: TrainConfig, base_model: Any, data: TrainingData
-                ) -> optimization.Preference | None:
+def _preference(objective: str, data_path: str, dpo: DPOConfig, adapters: bool, base_model: Any,
+                data: TrainingData) -> optimization.Preference | None:
     """DPO's settings for the steps; None for SFT."""
-    if config.trainer.objective != "dpo":
+    if objective != "dpo":
         return None
     if data.max_segments < 2:  # a cache of other data: no pair would ever count
-        raise ConfigError("data_path", f"{config.data.path} was read without preference pairs",
+        raise ConfigError("data_path", f"{data_path} was read without preference pairs",
                           "give objective='dpo' a preference JSONL file")
-    return optimization.Preference.of(config.dpo, base_model, data.max_segments,
-                                      adapters=config.lora.enabled)
+    return optimization.Preference.of(dpo, base_model, data.max_segments,
+                                      adapters=adapters)

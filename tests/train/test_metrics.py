@@ -57,3 +57,28 @@ def test_the_summary_reports_the_share_of_the_host_peak():
     summary = without.summary(steps=4, seconds=10.0)
     assert summary["cpu_mfu"] is None and summary["host_matmul_flops_per_s"] is None
     assert summary["mfu"] == pytest.approx(2.4e-5)
+
+
+def test_a_step_followed_by_an_evaluation_is_timed_without_it(tmp_path):
+    """The loop hands the evaluation over uncalled: the pending step is read (and timed) first,
+    so the last step's row, and the run's useful tokens/s, leave the final evaluation out."""
+    import time
+
+    sink = metrics.MetricsSink(str(tmp_path), enabled=True)
+    log = metrics.StepLog(sink, total_steps=1, start_step=0, steps_per_epoch=1,
+                          tokens_per_step=1024, log_every=1, show=False, nonfinite=never_called)
+    log.step(1, {"loss": np.float32(2.0), "grad_norm": np.float32(0.5),
+                 "useful_tokens": np.float32(1000.0)}, data_wait=0.0, batch_digest=7)
+
+    def slow_evaluation():
+        time.sleep(0.5)
+        return {"eval_loss": 1.0, "eval_perplexity": 2.7}
+
+    started = time.perf_counter()
+    log.evaluation(1, slow_evaluation)
+    assert time.perf_counter() - started >= 0.5
+    (record,) = log.history
+    assert record["step_time_s"] < 0.25, record["step_time_s"]
+    assert log.steps_ended < started + 0.25
+    assert log.eval_history == [{"step": 1, "eval_loss": 1.0, "eval_perplexity": 2.7}]
+    log.close()
