@@ -30,7 +30,8 @@ SIZE = 2048
 REPEATS = 5  # timed multiplications at most, after the warm-up,
 BUDGET_S = 2.0  # and no more once this much time went into them (at least two are timed)
 DIRECTORY = "host_peak"
-BUSY_LOAD_PER_CPU = 0.5  # above this load a measurement is used once, not cached
+BUSY_LOAD_PER_CPU = 0.5  # above this load a measurement is used once, not cached,
+BUSY_ELSEWHERE = 0.15  # nor when other processes held this share of the CPUs while it ran
 
 
 def of_run(devices: Any, dtype: Any, cache_dir: str | os.PathLike | None = None
@@ -56,23 +57,27 @@ def of_run(devices: Any, dtype: Any, cache_dir: str | os.PathLike | None = None
 def matmul_flops_per_s(dtype: Any, cache_dir: str | os.PathLike, *, size: int = SIZE) -> float:
     """This host's ``size`` x ``size`` matmul rate in ``dtype`` (FLOP/s): read from
     ``cache_dir/host_peak/`` when measured before under the same ``host_key``, else measured and
-    written there (only on a quiet host: ``BUSY_LOAD_PER_CPU``)."""
+    written there (only on a quiet host: ``BUSY_LOAD_PER_CPU``, ``BUSY_ELSEWHERE``)."""
     key = host_key(dtype, size)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / DIRECTORY / f"{key['dtype']}-{size}-{digest}.json"
     cached = _read(path, key)
     if cached is not None:
         return cached
-    started = time.perf_counter()
+    started, cpus_before = time.perf_counter(), cpu_seconds()
     load = host_load()
     rate = measure(dtype, size)
-    record = {"flops_per_s": rate, "key": key, "measuring_s": time.perf_counter() - started,
-              "load_per_cpu": load,
+    seconds = time.perf_counter() - started
+    elsewhere = busy_elsewhere(cpus_before, seconds)
+    record = {"flops_per_s": rate, "key": key, "measuring_s": seconds, "load_per_cpu": load,
+              "busy_elsewhere": elsewhere,
               "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     # A figure taken while other work held the cores is low, and every later run's cpu_mfu would
-    # be too high: this run uses it, but it is kept only when measured on a quiet host. An
-    # unwritable cache costs the next run a measurement, not this run its figure.
-    if load <= BUSY_LOAD_PER_CPU:
+    # be too high: this run uses it, but it is kept only when measured on a quiet host: by the
+    # load average (which lags a minute: other work that just started passes it) and by what
+    # other processes ran during the measurement itself. An unwritable cache costs the next run
+    # a measurement, not this run its figure.
+    if load <= BUSY_LOAD_PER_CPU and elsewhere <= BUSY_ELSEWHERE:
         with contextlib.suppress(OSError):
             storage.write_bytes(path, json.dumps(record, indent=1).encode())
     return rate
@@ -86,6 +91,27 @@ def host_load() -> float:
         return 0.0
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return load / max(usable or 1, 1)
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """``(seconds every CPU of the host spent busy, seconds this process ran)`` so far (busy:
+    all but idle and I/O wait, a hypervisor's steal included); None without ``/proc/stat``."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    own = os.times()
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+def busy_elsewhere(since: tuple[float, float] | None, seconds: float) -> float:
+    """The share of the host's CPUs that other processes kept busy over the last ``seconds``
+    (from ``since``, a ``cpu_seconds()``); 0 where that is not known."""
+    now = cpu_seconds()
+    if since is None or now is None or seconds <= 0:
+        return 0.0
+    others = (now[0] - since[0]) - (now[1] - since[1])
+    return max(0.0, others) / (seconds * (os.cpu_count() or 1))
 
 
 def measure(dtype: Any, size: int = SIZE, *, repeats: int = REPEATS,

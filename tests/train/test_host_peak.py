@@ -10,6 +10,7 @@ from gemmalab.train import host_peak
 
 SIZE = 64  # tiny: the figure's plumbing, not its value
 REAL_HOST_LOAD = host_peak.host_load
+REAL_BUSY_ELSEWHERE = host_peak.busy_elsewhere
 
 
 def never_measured(*args, **kwargs):
@@ -27,6 +28,7 @@ def counting(calls: list):
 def quiet_host(monkeypatch):
     """The caching tests must not depend on what else loads this machine's cores."""
     monkeypatch.setattr(host_peak, "host_load", lambda: 0.0)
+    monkeypatch.setattr(host_peak, "busy_elsewhere", lambda since, seconds: 0.0)
 
 
 def test_a_figure_measured_on_a_busy_host_is_used_but_not_kept(tmp_path, monkeypatch):
@@ -39,6 +41,37 @@ def test_a_figure_measured_on_a_busy_host_is_used_but_not_kept(tmp_path, monkeyp
     host_peak.matmul_flops_per_s("bfloat16", tmp_path, size=SIZE)
     host_peak.matmul_flops_per_s("bfloat16", tmp_path, size=SIZE)
     assert len(calls) == 2 and len(list((tmp_path / "host_peak").iterdir())) == 1
+
+
+def test_a_figure_measured_while_other_processes_ran_is_used_but_not_kept(tmp_path, monkeypatch):
+    """The load average lags a minute: work that started just before is seen by what the CPUs
+    did during the measurement."""
+    calls = []
+    monkeypatch.setattr(host_peak, "measure", counting(calls))
+    monkeypatch.setattr(host_peak, "busy_elsewhere", lambda since, seconds: 0.45)
+    assert host_peak.matmul_flops_per_s("bfloat16", tmp_path, size=SIZE) == 1e9
+    assert not (tmp_path / "host_peak").exists()
+    monkeypatch.setattr(host_peak, "busy_elsewhere", lambda since, seconds: 0.02)
+    host_peak.matmul_flops_per_s("bfloat16", tmp_path, size=SIZE)
+    (path,) = (tmp_path / "host_peak").iterdir()
+    assert json.loads(path.read_text())["busy_elsewhere"] == 0.02
+
+
+def test_cpu_seconds_see_this_process_in_the_hosts_busy_time():
+    """Spinning 0.3 s: this process's CPU seconds grow by about that, and the host's busy seconds
+    by at least as much (they include it), so ``busy_elsewhere`` subtracts it."""
+    import time
+
+    since, started = host_peak.cpu_seconds(), time.perf_counter()
+    if since is None:
+        pytest.skip("no /proc/stat")
+    while time.perf_counter() - started < 0.3:
+        pass
+    now = host_peak.cpu_seconds()
+    own, host = now[1] - since[1], now[0] - since[0]
+    assert own >= 0.2, own
+    assert host >= own - 0.05, (host, own)  # clock ticks: 10 ms each
+    assert REAL_BUSY_ELSEWHERE(None, 1.0) == 0.0
 
 
 def test_the_host_load_is_a_load_average_per_cpu():
