@@ -169,7 +169,7 @@ def _chunk_logits(h: jax.Array, embedding: jax.Array, update: jax.Array | None,
                   ids: jax.Array | None, softcap: float | None) -> jax.Array:
     """A chunk's logits in float32 whatever the compute dtype: the matmul accumulates in float32,
     and on CPUs writing that out is faster than rounding it to bfloat16 (the 270M's loss over
-    1,024 x 262k logits, forward and gradient: 1.11x, for 0.5 GiB more of temporaries,
+    1,024 x 262k logits, forward and gradient: 1.14x, for 0.5 GiB more of temporaries,
     bench/logits_float32.py); the softmax then reads them with no widening."""
     logits = jnp.einsum("...d,vd->...v", h, embedding, preferred_element_type=jnp.float32)
     if update is not None:

@@ -167,17 +167,14 @@ class StepLog:
         if step % self._log_every == 0:
             self.sink.flush()
 
-    def evaluation(self, step: int,
-                   values: dict[str, float] | Callable[[], dict[str, float]]) -> dict[str, Any]:
-        """Record an evaluation (``optimization.evaluate``'s ``eval_loss``, ``eval_perplexity``
-        and, for DPO, the pairs' means); after step 0, also a plain log line (papermill and
-        ``kubectl logs`` show these, not the bar). The pending step's row is written first.
-
-        ``values`` may be the evaluation itself, a callable run after that row is settled: a step
-        is timed to its own end, not to the end of the evaluation that follows it."""
+    def evaluation(self, step: int, evaluate: Callable[[], dict[str, float]]) -> dict[str, Any]:
+        """Run and record an evaluation (``evaluate``: ``optimization.evaluate``'s
+        ``eval_loss``, ``eval_perplexity`` and, for DPO, the pairs' means); after step 0, also a
+        plain log line (papermill and ``kubectl logs`` show these, not the bar). The pending
+        step's row is written first, and ``evaluate`` runs after it: a step is timed to its own
+        end, not to the end of the evaluation that follows it."""
         self.settle()
-        if callable(values):
-            values = values()
+        values = evaluate()
         record = {"step": step, **values}
         loss, perplexity = values["eval_loss"], values["eval_perplexity"]
         self.eval_history.append(record)

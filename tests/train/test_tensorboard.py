@@ -43,8 +43,9 @@ def write_run(output_dir: Path, steps, *, resume_step=None, offset=0.0, close=Tr
                  data_wait=0.001 * step, batch_digest=step)
         if step % 4 == 0:
             log.settle()
-            log.evaluation(step, {"eval_loss": 2.0 / step + offset, "eval_perplexity": 7.0 / step,
-                                  "eval_reward_accuracy": 0.05 * step})
+            values = {"eval_loss": 2.0 / step + offset, "eval_perplexity": 7.0 / step,
+                      "eval_reward_accuracy": 0.05 * step}
+            log.evaluation(step, lambda values=values: values)
     log.settle()
     if close:
         log.close()
