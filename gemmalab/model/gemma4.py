@@ -9,9 +9,12 @@ What gemmalab changes of gemma 4.0.1's model, and why:
   they were trained as.
 - **Exact top-k routing** (``jax.lax.top_k``): gemma's ``approx_max_k`` may miss an expert on
   TPU (recall target 0.95), and training should see the experts its loss is computed through.
-- **The experts' products are one method** (``Experts.ragged``, on gemma's weights): LoRA
-  (``gemmalab.model.lora``) wraps it to add each expert's own low-rank update, computed on the
-  routed tokens from the factors, as it wraps gemma's ``Einsum`` for every other projection.
+- **The experts run expert-parallel** (``gemmalab.model.experts``): each device its own
+  experts, on the tokens routed to them from every device (an all-to-all), where gemma's
+  computation left XLA to gather every expert's weights onto every device. Their weights come
+  from one method (``Experts.weights``, gemma's parameters), which LoRA
+  (``gemmalab.model.lora``) wraps to add each expert's own factors, as it wraps gemma's
+  ``Einsum`` for every other projection.
 - **Router statistics** are sown (``ROUTER_COLLECTION``) for the step's metrics: each MoE
   layer's mean router probability per expert and its share of the routed tokens, from which
   the load-balancing loss is computed (``router_metrics``). No token is ever dropped: the
@@ -138,30 +141,24 @@ def cut(config: Any, num_layers: int) -> Any:
 @functools.cache
 def experts_class() -> type:
     """A set of experts' weights (the parameter ``w`` of gemma's ``_moe._Weight``: ``[E, 2, H,
-    D]`` for gate|up, ``[E, H, D]`` for down) and their product with the tokens routed to each.
+    D]`` for gate|up, ``[E, H, D]`` for down).
 
-    ``ragged(x, group_sizes)``: ``x`` holds the tokens sorted by expert, ``group_sizes[e]`` of
-    them for expert ``e``; gate|up comes out ``[tokens, 2H]`` (gate first), down ``[tokens, D]``.
-    The weight is declared in that (compact) method, so that LoRA's wrapper of it can declare
-    its own parameters there too.
+    ``weights(after)``: them as the experts compute (``experts.ExpertWeights``), dequantized
+    once ``after`` (the layer's input) exists. The weight is declared in that (compact) method,
+    so that LoRA's wrapper of it can declare each expert's factors there too.
     """
     import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
+
+    from gemmalab.model.experts import ExpertWeights
 
     class Experts(nn.Module):
         shape: tuple[int, ...]
 
         @nn.compact
-        def ragged(self, x: Any, group_sizes: Any) -> Any:
+        def weights(self, after: Any) -> ExpertWeights:
             # QLoRA's quantized base dequantizes here, inside the block (quantization.py).
-            weight = quantization.as_array(self.param("w", nn.initializers.normal(), self.shape),
-                                           after=x)
-            if weight.ndim == 4:  # gate|up [E, 2, H, D] as gemma's ragged_dot reads it: [E, D, 2H]
-                experts, _, hidden, features = weight.shape
-                weight = jnp.transpose(weight, (0, 3, 1, 2)).reshape(
-                    experts, features, 2 * hidden)
-            return jax.lax.ragged_dot(x, weight, group_sizes=group_sizes)
+            return ExpertWeights(quantization.as_array(
+                self.param("w", nn.initializers.normal(), self.shape), after=after))
 
     return Experts
 
@@ -177,11 +174,16 @@ def transformer_class(remat_policy: str = "none") -> type:
     gemma4 = modules()
     from gemma.gm.nn.gemma4 import _layers, _modules, _moe, _transformer
 
+    from gemmalab.model.experts import routed_ffw
+
     experts = experts_class()
 
     class Router(_moe.MoERagged):
         """MoERagged routing on ``router_x`` (the residual) with exact top-k, sowing its
-        statistics, its experts' products through ``Experts.ragged`` (where LoRA adapts them)."""
+        statistics; its experts run expert-parallel over ``mesh`` (``experts.routed_ffw``) on
+        ``Experts.weights`` (where LoRA adds each expert's factors)."""
+
+        mesh: Any = None
 
         def setup(self) -> None:  # gemma's, the expert weights as Experts (the same parameters)
             self.router_logits = _layers.Einsum(shape=(self.features, self.num_experts))
@@ -194,19 +196,10 @@ def transformer_class(remat_policy: str = "none") -> type:
             self.router_norm = _layers.RMSNorm(with_scale=False)
 
         def _run_ffw_and_routing(self, x: Any, expert_choices: Any, expert_weights: Any) -> Any:
-            # gemma's MoERagged computation, step for step, the products through Experts.
-            counts, sorted_xs, reverse, combine = _moe._expert_dispatch(
-                x, expert_choices, expert_weights)
-            gate_out = self.gating_einsum.ragged(sorted_xs, counts)
-            gate_out = gate_out.reshape(gate_out.shape[0], 2, self.hidden_dim)
-            activation = nn.gelu(gate_out[:, 0, :]) * gate_out[:, 1, :]
-            outputs = self.linear.ragged(activation, counts)
-            expert_indices = jnp.repeat(jnp.arange(self.num_experts), counts,
-                                        total_repeat_length=outputs.shape[0])
-            outputs = outputs * self.per_expert_scale.astype(outputs.dtype)[expert_indices, None]
-            out = _moe._expert_collect(outputs, xs_reverse_argsort=reverse,
-                                       xs_combine_weights=combine)
-            return jnp.einsum("blkd,blk->bld", out, combine, preferred_element_type=out.dtype)
+            # gemma's MoERagged computation, expert-parallel over the mesh (experts.py).
+            combine = jnp.take_along_axis(expert_weights, expert_choices, axis=-1)
+            return routed_ffw(x, expert_choices, combine, self.gating_einsum.weights(x),
+                              self.linear.weights(x), self.per_expert_scale, mesh=self.mesh)
 
         def _router(self, router_logits: Any) -> tuple[Any, Any]:
             router_logits = router_logits.astype(jnp.float32)
@@ -231,6 +224,8 @@ def transformer_class(remat_policy: str = "none") -> type:
             return self._run_ffw_and_routing(x, choices, weights)
 
     class Block(_modules.Block):
+        mesh: Any = None  # the devices the experts are split over (experts.routed_ffw)
+
         def _setup_moe(self) -> None:  # gemma's, with the Router as the expert branch
             self.pre_ffw2_norm = _layers.RMSNorm()
             self.mlp2 = _modules.FeedForward(features=self.embed_dim, hidden_dim=self.hidden_dim)
@@ -238,7 +233,7 @@ def transformer_class(remat_policy: str = "none") -> type:
             self.pre_ffw_norm = _layers.RMSNorm()
             self.mlp = Router(features=self.embed_dim, hidden_dim=self.expert_dim,
                               num_experts=self.num_experts,
-                              num_experts_per_datapoint=self.top_k_experts)
+                              num_experts_per_datapoint=self.top_k_experts, mesh=self.mesh)
             self.post_ffw1_norm = _layers.RMSNorm() if self.use_post_ffw_norm else None
             self.post_ffw_norm = _layers.RMSNorm() if self.use_post_ffw_norm else None
 
@@ -264,6 +259,7 @@ def transformer_class(remat_policy: str = "none") -> type:
         """Text-only Gemma 4 (``config.vision_encoder`` and ``audio_encoder`` None)."""
 
         remat: str = remat_policy
+        mesh: Any = None  # a mixture's experts split over its expert axis (experts.py)
 
         def setup(self) -> None:
             config = self.config
@@ -297,7 +293,8 @@ def transformer_class(remat_policy: str = "none") -> type:
                                          else config.global_scale_factor),
                       per_layer_input_dim=config.per_layer_input_dim,
                       enable_moe=config.enable_moe, num_experts=config.num_experts,
-                      expert_dim=config.expert_dim, top_k_experts=config.top_k_experts)
+                      expert_dim=config.expert_dim, top_k_experts=config.top_k_experts,
+                      mesh=self.mesh)
                 for i, kind in enumerate(config.attention_types)]
             self.final_norm = _layers.RMSNorm()
 

@@ -25,7 +25,8 @@ Every projection ``lora_modules`` names gets one adapter, but for
 
 The experts get adapters of their own, ``a [E, in, r]`` and ``b [E, r, out]`` (gate|up's ``out``
 as ``2, H``), computed on the tokens routed to each expert with ``ragged_dot`` on the factors
-(``_LoRAExperts`` wraps ``gemma4.experts_class().ragged``), never as a dense ``[E, ...]`` update.
+(``_LoRAExperts`` wraps ``gemma4.experts_class().weights``; ``experts.ragged_product``),
+never as a dense ``[E, ...]`` update.
 
 Beside the adapters a few embedding rows may train (PEFT's ``trainable_token_indices``): a
 pretrained base has barely trained its chat-turn tokens, and LoRA alone never changes an
@@ -127,8 +128,6 @@ def _keyed_class(model_class: type) -> type:
 @functools.cache
 def _lora_classes() -> tuple[type, type]:
     import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
     from gemma import peft
     from gemma.gm.nn import _layers, _lora
 
@@ -148,8 +147,7 @@ def _lora_classes() -> tuple[type, type]:
             return self.wrapped(eqn, x) + self.scale * adapter(x)
 
     class _ExpertFactors(nn.Module):  # noqa: N801
-        """Each expert's ``x a_e b_e`` for the tokens routed to it (sorted by expert,
-        ``group_sizes`` each): ``a [E, in, r]`` drawn per expert as gemma draws ``a``, ``b
+        """Each expert's factors: ``a [E, in, r]`` drawn per expert as gemma draws ``a``, ``b
         [E, r, *out]`` zeros."""
 
         shape: tuple[int, ...]  # the experts' weight: [E, 2, H, D] (gate|up) or [E, H, D]
@@ -157,19 +155,17 @@ def _lora_classes() -> tuple[type, type]:
         dtype: Any
 
         @nn.compact
-        def __call__(self, x: Any, group_sizes: Any) -> Any:
+        def __call__(self) -> tuple[Any, Any]:
             experts, inputs, outputs = _expert_factor_dims(self.shape)
             a = self.param("a", nn.initializers.kaiming_uniform(batch_axis=(0,)),
                            (experts, inputs, self.rank), self.dtype)
             b = self.param("b", nn.initializers.zeros_init(),
                            (experts, self.rank, *outputs), self.dtype)
-            dtype = jnp.result_type(x.dtype, a.dtype)  # as einsum would: the wider of the two
-            low = jax.lax.ragged_dot(x.astype(dtype), a.astype(dtype), group_sizes=group_sizes)
-            return jax.lax.ragged_dot(low, b.reshape(experts, self.rank, -1).astype(dtype),
-                                      group_sizes=group_sizes)
+            return a, b
 
     class _LoRAExperts(nn.Module):  # noqa: N801 - flax names the params by it, as _LoRAEinsum
-        """The experts' products (``gemma4.experts_class().ragged``) plus their adapters'."""
+        """The experts' weights (``gemma4.experts_class().weights``) with their adapters'
+        factors, which ``experts.ragged_product`` applies to the tokens routed to each."""
 
         wrapped: Any
         rank: int
@@ -177,11 +173,11 @@ def _lora_classes() -> tuple[type, type]:
         scale: float = 1.0
 
         @nn.compact
-        def ragged(self, x: Any, group_sizes: Any) -> Any:
-            adapter = _ExpertFactors(name="lora", shape=tuple(self.wrapped.shape),
-                                     rank=self.rank, dtype=self.dtype)
-            return (self.wrapped.ragged(x, group_sizes)
-                    + self.scale * adapter(x, group_sizes))
+        def weights(self, after: Any) -> Any:
+            a, b = _ExpertFactors(name="lora", shape=tuple(self.wrapped.shape), rank=self.rank,
+                                  dtype=self.dtype)()
+            return dataclasses.replace(self.wrapped.weights(after), a=a, b=b,
+                                       lora_scale=self.scale)
 
     class LoRAModel(gm.nn.LoRA):
         """``gm.nn.LoRA`` with PEFT's scaling, adapting only ``modules``' projections (none of

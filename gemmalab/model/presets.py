@@ -158,7 +158,7 @@ def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
             raise ConfigError("attention", f"{attention!r} is not wired for Gemma 4's attention "
                               "(global heads of another width, shared keys and values)",
                               "use attention='gemma' (or 'auto')")
-        return gemma4.transformer_class(remat)(config=config, dtype=param_dtype)
+        return gemma4.transformer_class(remat)(config=config, dtype=param_dtype, mesh=mesh)
     base = gm.nn.Transformer if remat == "none" else _remat_transformer_class()
     fields = {} if remat == "none" else {"remat": remat}
     kernel = attention_kernel(attention, config, mesh)

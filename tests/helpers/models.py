@@ -59,9 +59,9 @@ def _train(shape, devices, steps=20, compute_dtype=jnp.float32, num_slices=1,
     """The losses of ``steps`` steps of ``config`` (default ``short_tiny``) on ``shape``, and the
     final state (with LoRA also the frozen base)."""
     config = short_tiny(VOCAB) if config is None else config
-    model = presets.build_model(config, param_dtype=jnp.float32, remat=remat)
-    params = presets.init_params(model, seed=0, sample_length=16)
     device_mesh = mesh.make_mesh(shape, devices, num_slices=num_slices)
+    model = presets.build_model(config, param_dtype=jnp.float32, remat=remat, mesh=device_mesh)
+    params = presets.init_params(model, seed=0, sample_length=16)
     frozen = frozen_shardings = None
     if lora_rank:  # the base frozen (placed by the rules), adapters in the state
         frozen_shardings = sharding.param_sharding(params, device_mesh)

@@ -220,6 +220,12 @@ def test_an_expert_axis_trains_a_mixture_like_one_device():
     experts = state.params["layer_0"]["mlp"]["gating_einsum"]["w"]
     assert experts.sharding.spec[0] == "expert"
     assert experts.addressable_shards[0].data.shape[0] == moe.num_experts // 2
+    # LoRA, each expert's adapters with it, the experts' width split over tensor as well.
+    reference, *_ = _train({"data": 1}, jax.devices()[:1], steps=8, config=moe, lora_rank=4)
+    losses, state, _ = _train({"data": 2, "expert": 2, "tensor": 2}, jax.devices(), steps=8,
+                              config=moe, lora_rank=4)
+    np.testing.assert_allclose(losses, reference, rtol=PARITY_RTOL[jnp.float32])
+    assert losses[-1] < losses[0] - 0.05  # the adapters trained
 
 
 def test_an_expert_axis_is_refused_where_it_splits_nothing_or_unevenly():
