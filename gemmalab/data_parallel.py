@@ -39,12 +39,18 @@ def check_batch_split(batch_size: int, ways: int, grad_accum_steps: int = 1, *,
                       f"ways{accum} of {where}", f"use a multiple of {size}, e.g. {nearest}")
 
 
-def check_expert_axis(sizes: Mapping[str, int], model: str) -> None:
+def check_expert_axis(sizes: Mapping[str, int], model: str, capacity_factor: float = 0.0
+                      ) -> None:
     """An ``expert`` axis splits a mixture's experts (``EXPERT_COUNTS``) evenly, and splits
-    nothing in a dense model: one line naming ``mesh`` otherwise. The run, the plan and the
-    cluster config check it here."""
+    nothing in a dense model: one line naming ``mesh`` otherwise; a capacity factor bounds what
+    that axis exchanges, so it needs one. The run, the plan and the cluster config check it
+    here."""
     ways = int(sizes.get(EXPERT_AXIS, 1))
     if ways == 1:
+        if capacity_factor:
+            raise ConfigError("expert_capacity_factor", "bounds the tokens an expert axis "
+                              "exchanges, and mesh has none", "leave it 0, or add an 'expert' "
+                              "axis to mesh")
         return
     experts = EXPERT_COUNTS.get(model, 0)
     if not experts:

@@ -222,6 +222,11 @@ def test_an_output_dir_with_glob_wildcards_is_refused(output_dir):
         ({"adam_b1": 1.0}, "adam_b1: 1.0 is outside [0, 1). Fix: use e.g. 0.9"),
         ({"adam_b2": 1.5}, "adam_b2: 1.5 is outside [0, 1). Fix: use e.g. 0.95"),
         ({"weight_decay": -5}, "weight_decay: -5 is negative. Fix: use 0 (none) or e.g. 0.01"),
+        (
+            {"expert_capacity_factor": 0.5},
+            "expert_capacity_factor: 0.5 is below a balanced router's share, so tokens would be "
+            "dropped even then. Fix: use 0 (dropless) or at least 1 (e.g. 1.5)",
+        ),
     ],
 )
 def test_a_value_of_the_wrong_type_or_range_is_refused_by_name(values, message):

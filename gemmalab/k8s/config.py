@@ -222,7 +222,8 @@ class ClusterConfig:
         ways = self._data_parallel_size()
         try:
             check_batch_split(batch, ways, accum, where=self.describe())
-            check_expert_axis(self._mesh_sizes(), resolved.model.preset)
+            check_expert_axis(self._mesh_sizes(), resolved.model.preset,
+                              resolved.model.expert_capacity_factor)
         except ConfigError as e:  # the notebook's parameter
             raise ConfigError(f"params.{e.parameter}", e.problem, e.fix) from None
 

@@ -16,9 +16,10 @@ What gemmalab changes of gemma 4.0.1's model, and why:
   (``gemmalab.model.lora``) wraps to add each expert's own factors, as it wraps gemma's
   ``Einsum`` for every other projection.
 - **Router statistics** are sown (``ROUTER_COLLECTION``) for the step's metrics: each MoE
-  layer's mean router probability per expert and its share of the routed tokens, from which
-  the load-balancing loss is computed (``router_metrics``). No token is ever dropped: the
-  experts run ``ragged_dot`` over exactly the tokens routed to them, with no capacity.
+  layer's mean router probability per expert, its share of the routed tokens (from which
+  the load-balancing loss is computed, ``router_metrics``) and the share of routed token
+  copies dropped: none unless ``TrainConfig.expert_capacity_factor`` bounds what an expert
+  shard receives.
 - **Remat** keeps what Gemma 4's blocks need besides the residual: each layer's per-layer
   input and the keys and values a KV-sharing layer reads from the layer it shares with.
 
@@ -184,6 +185,7 @@ def transformer_class(remat_policy: str = "none") -> type:
         ``Experts.weights`` (where LoRA adds each expert's factors)."""
 
         mesh: Any = None
+        capacity_factor: float = 0.0  # TrainConfig.expert_capacity_factor
 
         def setup(self) -> None:  # gemma's, the expert weights as Experts (the same parameters)
             self.router_logits = _layers.Einsum(shape=(self.features, self.num_experts))
@@ -198,8 +200,11 @@ def transformer_class(remat_policy: str = "none") -> type:
         def _run_ffw_and_routing(self, x: Any, expert_choices: Any, expert_weights: Any) -> Any:
             # gemma's MoERagged computation, expert-parallel over the mesh (experts.py).
             combine = jnp.take_along_axis(expert_weights, expert_choices, axis=-1)
-            return routed_ffw(x, expert_choices, combine, self.gating_einsum.weights(x),
-                              self.linear.weights(x), self.per_expert_scale, mesh=self.mesh)
+            out, dropped = routed_ffw(x, expert_choices, combine, self.gating_einsum.weights(x),
+                                      self.linear.weights(x), self.per_expert_scale,
+                                      mesh=self.mesh, capacity_factor=self.capacity_factor)
+            self.sow(ROUTER_COLLECTION, "dropped", jax.lax.stop_gradient(dropped))
+            return out
 
         def _router(self, router_logits: Any) -> tuple[Any, Any]:
             router_logits = router_logits.astype(jnp.float32)
@@ -225,6 +230,7 @@ def transformer_class(remat_policy: str = "none") -> type:
 
     class Block(_modules.Block):
         mesh: Any = None  # the devices the experts are split over (experts.routed_ffw)
+        capacity_factor: float = 0.0
 
         def _setup_moe(self) -> None:  # gemma's, with the Router as the expert branch
             self.pre_ffw2_norm = _layers.RMSNorm()
@@ -233,7 +239,8 @@ def transformer_class(remat_policy: str = "none") -> type:
             self.pre_ffw_norm = _layers.RMSNorm()
             self.mlp = Router(features=self.embed_dim, hidden_dim=self.expert_dim,
                               num_experts=self.num_experts,
-                              num_experts_per_datapoint=self.top_k_experts, mesh=self.mesh)
+                              num_experts_per_datapoint=self.top_k_experts, mesh=self.mesh,
+                              capacity_factor=self.capacity_factor)
             self.post_ffw1_norm = _layers.RMSNorm() if self.use_post_ffw_norm else None
             self.post_ffw_norm = _layers.RMSNorm() if self.use_post_ffw_norm else None
 
@@ -260,6 +267,7 @@ def transformer_class(remat_policy: str = "none") -> type:
 
         remat: str = remat_policy
         mesh: Any = None  # a mixture's experts split over its expert axis (experts.py)
+        capacity_factor: float = 0.0  # 0: dropless (experts.block_capacity)
 
         def setup(self) -> None:
             config = self.config
@@ -294,7 +302,7 @@ def transformer_class(remat_policy: str = "none") -> type:
                       per_layer_input_dim=config.per_layer_input_dim,
                       enable_moe=config.enable_moe, num_experts=config.num_experts,
                       expert_dim=config.expert_dim, top_k_experts=config.top_k_experts,
-                      mesh=self.mesh)
+                      mesh=self.mesh, capacity_factor=self.capacity_factor)
                 for i, kind in enumerate(config.attention_types)]
             self.final_norm = _layers.RMSNorm()
 
@@ -316,25 +324,39 @@ def transformer_class(remat_policy: str = "none") -> type:
     return Transformer
 
 
-def router_metrics(stats: Any) -> dict[str, Any]:
-    """The step's router figures from the sown statistics (``[2, E]`` a MoE layer: mean router
-    probability per expert, share of the routed tokens per expert), averaged over the layers:
+def router_metrics(sown: Any) -> dict[str, Any]:
+    """The step's router figures from the sown statistics, averaged over the MoE layers (each
+    sows ``stats``, ``[2, E]``: mean router probability per expert and share of the routed
+    tokens per expert; and ``dropped``, the share of its routed token copies dropped):
 
     - ``router_balance_loss``: Switch Transformer's load-balancing loss, ``E * sum_e f_e P_e``
       (1.0 when every expert gets its share, up to E when one takes every token);
     - ``router_max_load``: the busiest expert's share of the routed tokens times E (1.0:
-      balanced).
+      balanced);
+    - ``router_dropped``: the share of routed token copies past an expert shard's capacity
+      (``TrainConfig.expert_capacity_factor``; 0 dropless).
 
     Empty for a dense model."""
     import jax
     import jax.numpy as jnp
 
-    leaves = jax.tree.leaves(stats)
-    if not leaves:
+    named = jax.tree_util.tree_leaves_with_path(sown)
+    stats = [leaf for path, leaf in named if _last_key(path) == "stats"]
+    if not stats:
         return {}
+    dropped = [leaf for path, leaf in named if _last_key(path) == "dropped"]
     layers = jnp.stack([jnp.reshape(leaf, (-1, 2, leaf.shape[-1])).mean(axis=0)
-                        for leaf in leaves])  # [layers, 2, E]
+                        for leaf in stats])  # [layers, 2, E]
     experts = layers.shape[-1]
     probs, shares = layers[:, 0], layers[:, 1]
     return {"router_balance_loss": jnp.mean(experts * jnp.sum(probs * shares, axis=-1)),
-            "router_max_load": jnp.mean(experts * jnp.max(shares, axis=-1))}
+            "router_max_load": jnp.mean(experts * jnp.max(shares, axis=-1)),
+            "router_dropped": jnp.mean(jnp.stack([jnp.mean(leaf) for leaf in dropped]))
+            if dropped else jnp.zeros(())}
+
+
+def _last_key(path: tuple[Any, ...]) -> str | None:
+    """The name a value was sown under (a sown value is a tuple: its index comes last)."""
+    keys = [getattr(entry, "key", None) for entry in path]
+    names = [key for key in keys if isinstance(key, str)]
+    return names[-1] if names else None

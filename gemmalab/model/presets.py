@@ -139,8 +139,8 @@ def _whole_config(preset_name: str, vocab_size: int) -> gm.nn.config.Transformer
 
 
 def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
-                remat: str = "none", attention: str = "gemma", mesh: Any = None
-                ) -> gm.nn.Transformer:
+                remat: str = "none", attention: str = "gemma", mesh: Any = None,
+                expert_capacity_factor: float = 0.0) -> gm.nn.Transformer:
     """A gemma Transformer for ``config`` whose ``init`` creates ``param_dtype`` weights.
 
     ``remat`` (``REMAT_POLICIES``) trades compute for activation memory in the backward pass:
@@ -148,7 +148,8 @@ def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
     the outputs of the weight matmuls (recomputing norms, attention scores and activations).
     ``attention`` (``ATTENTION_IMPLS``) picks what computes attention without a KV cache
     (``gemmalab.model.attention``), for the devices of ``mesh`` (default: the default backend's).
-    The weights and their names are the same whichever is chosen.
+    The weights and their names are the same whichever is chosen. A mixture's experts run
+    expert-parallel over ``mesh`` with ``expert_capacity_factor`` (``gemmalab.model.experts``).
     """
     gm = gemma_lib.gm()
     if remat not in REMAT_POLICIES:
@@ -158,7 +159,8 @@ def build_model(config: gm.nn.config.TransformerConfig, *, param_dtype: Any,
             raise ConfigError("attention", f"{attention!r} is not wired for Gemma 4's attention "
                               "(global heads of another width, shared keys and values)",
                               "use attention='gemma' (or 'auto')")
-        return gemma4.transformer_class(remat)(config=config, dtype=param_dtype, mesh=mesh)
+        return gemma4.transformer_class(remat)(config=config, dtype=param_dtype, mesh=mesh,
+                                               capacity_factor=expert_capacity_factor)
     base = gm.nn.Transformer if remat == "none" else _remat_transformer_class()
     fields = {} if remat == "none" else {"remat": remat}
     kernel = attention_kernel(attention, config, mesh)

@@ -212,7 +212,7 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
         accelerator = parse_accelerator(accelerator)
     sizes = resolved_mesh(config.runtime, accelerator.chips)
     abstract_mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
-    check_expert_axis(sizes, config.model.preset)
+    check_expert_axis(sizes, config.model.preset, config.model.expert_capacity_factor)
     data_ways = batch_ways(sizes)
     check_batch_split(config.trainer.batch_size, data_ways, config.trainer.grad_accum_steps,
                       where=f"mesh {sizes} on {accelerator.name}")

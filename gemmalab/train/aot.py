@@ -115,6 +115,7 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
         remat=config.model.remat,
         attention=config.model.attention,
         mesh=device_mesh,
+        expert_capacity_factor=config.model.expert_capacity_factor,
     )
     base_model = model
     params = abstract_params(model_config, config.model.param_dtype)

@@ -110,7 +110,8 @@ class Experiment:
         mesh.check_batch_size(
             config.trainer.batch_size, device_mesh, config.trainer.grad_accum_steps
         )
-        check_expert_axis(device_mesh.shape, config.model.preset)
+        check_expert_axis(device_mesh.shape, config.model.preset,
+                          config.model.expert_capacity_factor)
         if config.lora.base_quantization != "none":  # (traces the model's shapes)
             quantization.check_base(config.lora.base_quantization, abstract_params(
                 presets.model_config(config.model.preset, vocab_size_hint(config.model),
@@ -147,7 +148,8 @@ class Experiment:
         param_dtype = jnp.dtype(config.model.param_dtype)
         base_model = presets.build_model(prepared.model_config, param_dtype=param_dtype,
                                          remat=config.model.remat, attention=config.model.attention,
-                                         mesh=device_mesh)
+                                         mesh=device_mesh,
+                                         expert_capacity_factor=config.model.expert_capacity_factor)
         token_ids = trained_token_ids(config.lora, prepared.tokenizer_info,
                                       chat=prepared.corpus.conversational,
                                       pretrained=bool(config.model.checkpoint))

@@ -210,7 +210,7 @@ def sums_metrics(total: jax.Array, sums: dict[str, jax.Array]) -> dict[str, jax.
                "useful_tokens": sums["useful_tokens"]}
     if "router_forwards" in sums:  # a mixture of experts: the router's, per forward pass
         metrics.update({name: sums[name] / sums["router_forwards"]
-                        for name in ("router_balance_loss", "router_max_load")})
+                        for name in ("router_balance_loss", "router_max_load", "router_dropped")})
     if "pairs" in sums:
         fields = preference.PairSums._fields
         means = preference.pair_means(preference.PairSums(**{k: sums[k] for k in fields}))

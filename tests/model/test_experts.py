@@ -77,13 +77,14 @@ def test_expert_parallel_output_and_gradients_equal_the_whole_batch(shape):
     inputs = _inputs()
     device_mesh = mesh.make_mesh(shape)
     reference = _dense_reference(*inputs)
-    whole = experts.routed_ffw(*inputs)
+    whole, dropped = experts.routed_ffw(*inputs)
     np.testing.assert_allclose(whole, reference, rtol=1e-5, atol=1e-5)
-    split = jax.jit(lambda *a: experts.routed_ffw(*a, mesh=device_mesh))(*inputs)
+    split, split_dropped = jax.jit(lambda *a: experts.routed_ffw(*a, mesh=device_mesh))(*inputs)
     np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-5)
+    assert float(dropped) == float(split_dropped) == 0.0
 
     def loss(x, gate, linear, scale, mesh_=None):
-        out = experts.routed_ffw(x, inputs[1], inputs[2], gate, linear, scale, mesh=mesh_)
+        out, _ = experts.routed_ffw(x, inputs[1], inputs[2], gate, linear, scale, mesh=mesh_)
         return jnp.sum(jnp.sin(out))
 
     grads = jax.grad(loss, argnums=(0, 1, 2, 3))(inputs[0], *inputs[3:])
@@ -98,14 +99,15 @@ def test_no_token_is_dropped_when_every_token_picks_one_expert():
     inputs = _inputs(seed=1, skew=True)
     assert bool((inputs[1][..., 0] == 5).all())
     device_mesh = mesh.make_mesh({"expert": 8})
-    split = jax.jit(lambda *a: experts.routed_ffw(*a, mesh=device_mesh))(*inputs)
+    split, dropped = jax.jit(lambda *a: experts.routed_ffw(*a, mesh=device_mesh))(*inputs)
     np.testing.assert_allclose(split, _dense_reference(*inputs), rtol=1e-5, atol=1e-5)
+    assert float(dropped) == 0.0
 
 
 def test_devices_exchange_tokens_not_weights():
-    """The compiled expert-parallel program's only collectives are all-to-alls of tokens (and
-    their counts): no device gathers another's experts or rows, or sums a partial result over
-    all of them; its expert weights are one shard's, E / 8 experts."""
+    """The compiled expert-parallel program exchanges tokens (all-to-alls of them and their
+    counts): no device gathers another's experts or rows, or sums a partial result over all of
+    them; its expert weights are one shard's, E / 8 experts."""
     inputs = _inputs(lora=False)
     device_mesh = mesh.make_mesh({"expert": 8})
     sharded = jax.device_put(inputs[3].w, jax.NamedSharding(device_mesh, jax.P("expert")))
@@ -114,6 +116,51 @@ def test_devices_exchange_tokens_not_weights():
     ).as_text()
     collectives = set(re.findall(r" (all-to-all|all-gather|all-reduce|reduce-scatter|"
                                  r"collective-permute)(?:-start)?\(", program))
-    assert collectives == {"all-to-all"}, collectives
+    summed = {shape.split("{")[0] for shape in re.findall(r"= (\S+) all-reduce(?:-start)?\(",
+                                                          program)}
+    # Tokens and their counts; besides, one sum of a number: the dropped copies.
+    assert collectives == {"all-to-all", "all-reduce"}, collectives
+    assert summed == {"f32[]"}, summed
     assert f"f32[{EXPERTS // 8},2,{HIDDEN},{FEATURES}]" in program  # one shard's gate|up
     assert f"f32[{EXPERTS},2,{HIDDEN},{FEATURES}]" not in program
+
+
+def _kept_copies(choices, devices: int, capacity: int) -> np.ndarray:
+    """Which routed copies ``[B, L, k]`` a capacity keeps, worked out apart from the code: each
+    device (its rows) sorts its copies by expert, stably, and sends each expert shard at most
+    ``capacity`` of them, the first."""
+    choices = np.asarray(choices)
+    kept = np.zeros(choices.shape, bool)
+    per_shard = EXPERTS // devices
+    for rows in np.split(np.arange(choices.shape[0]), devices):
+        copies = [(int(choices[r, t, k]), r, t, k) for r in rows for t in range(LENGTH)
+                  for k in range(TOP_K)]
+        copies.sort(key=lambda c: c[0])  # stable: (row, token, k) order within an expert
+        sent = [0] * devices
+        for expert, r, t, k in copies:
+            shard = expert // per_shard
+            if sent[shard] < capacity:
+                kept[r, t, k] = True
+            sent[shard] += 1
+    return kept
+
+
+def test_a_capacity_drops_the_copies_past_it_and_counts_them():
+    x, choices, combine, gate, linear, scale = _inputs(seed=2, skew=True)
+    device_mesh = mesh.make_mesh({"expert": 8})
+    slots = LENGTH * TOP_K  # one row a device
+    capacity = experts.block_capacity(slots, 8, 2.0)
+    assert capacity == 3
+    run = jax.jit(lambda *a: experts.routed_ffw(*a, mesh=device_mesh, capacity_factor=2.0))
+    out, dropped = run(x, choices, combine, gate, linear, scale)
+    kept = _kept_copies(choices, 8, capacity)
+    assert 0 < (~kept).sum() < kept.size
+    assert float(dropped) == pytest.approx((~kept).sum() / kept.size)
+    expected = _dense_reference(x, choices, combine * kept, gate, linear, scale)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    # Room for every copy: nothing dropped, the dropless result.
+    roomy = jax.jit(lambda *a: experts.routed_ffw(*a, mesh=device_mesh, capacity_factor=8.0))
+    out, dropped = roomy(x, choices, combine, gate, linear, scale)
+    assert float(dropped) == 0.0
+    np.testing.assert_allclose(out, _dense_reference(x, choices, combine, gate, linear, scale),
+                               rtol=1e-5, atol=1e-5)

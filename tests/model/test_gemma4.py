@@ -139,12 +139,18 @@ def test_router_metrics_are_one_when_balanced_and_grow_with_imbalance():
     experts = 4
     balanced = jnp.full((2, experts), 1 / experts)
     skewed = jnp.stack([jnp.array([0.7, 0.1, 0.1, 0.1]), jnp.array([1.0, 0.0, 0.0, 0.0])])
-    even = gemma4.router_metrics({"layer_0": {"stats": (balanced,)}})
+    def layer(stats, dropped):  # as a MoE layer sows them
+        return {"mlp": {"stats": (stats,), "dropped": (jnp.float32(dropped),)}}
+
+    even = gemma4.router_metrics({"layer_0": layer(balanced, 0.0)})
     assert float(even["router_balance_loss"]) == pytest.approx(1.0)
     assert float(even["router_max_load"]) == pytest.approx(1.0)
-    uneven = gemma4.router_metrics({"a": (balanced,), "b": (skewed,)})  # two layers: the mean
+    assert float(even["router_dropped"]) == 0.0
+    # Two layers: the mean.
+    uneven = gemma4.router_metrics({"layer_0": layer(balanced, 0.0), "layer_1": layer(skewed, 0.5)})
     assert float(uneven["router_balance_loss"]) == pytest.approx((1.0 + 4 * 0.7) / 2)
     assert float(uneven["router_max_load"]) == pytest.approx((1.0 + 4.0) / 2)
+    assert float(uneven["router_dropped"]) == pytest.approx(0.25)
     assert gemma4.router_metrics({}) == {}
 
 
@@ -199,6 +205,7 @@ def test_a_tiny_gemma4_run_learns_and_reports_its_router(name, tmp_path, cache_d
         balance = [row["router_balance_loss"] for row in rows]
         assert all(1.0 <= b < 8.0 for b in balance)
         assert all(1.0 <= row["router_max_load"] <= 8.0 for row in rows)
+        assert all(row["router_dropped"] == 0.0 for row in rows)  # dropless
     else:
         assert not any("router_balance_loss" in row for row in rows)
     assert experiment.sample("Once upon a time", max_new_tokens=8).text

@@ -239,6 +239,10 @@ def test_an_expert_axis_is_refused_where_it_splits_nothing_or_unevenly():
                                           "gemma4-tiny-moe's 8 experts"):
         check_expert_axis({"expert": 3}, "gemma4-tiny-moe")
     check_expert_axis({"expert": 4}, "gemma4-tiny-moe")
+    with pytest.raises(ConfigError, match="^expert_capacity_factor: bounds the tokens an expert "
+                                          "axis exchanges, and mesh has none"):
+        check_expert_axis({"data": 8}, "gemma4-tiny-moe", capacity_factor=1.5)
+    check_expert_axis({"expert": 4}, "gemma4-tiny-moe", capacity_factor=1.5)
     check_expert_axis({"expert": 1}, "gemma3-tiny")
     # The ground's table is gemma's configs' (the cluster config checks without the model).
     assert {name: presets.expert_count(name) for name in PRESET_NAMES
