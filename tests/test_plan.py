@@ -603,3 +603,32 @@ def test_a_mixtures_expert_adapters_are_held_split_and_run_top_k():
     assert experts == 16 * 7_744 * 128 * 30  # rank x (a and b of one expert) x experts x layers
     assert split.breakdown["optimizer"] == 2 * 4 * (total - experts + experts // 8)
     assert plan.active_adapters(moe, tree) == total - experts + experts * 8 // 128
+
+
+def test_the_plan_holds_an_expert_axis_exchange_buffers_and_a_capacity_shrinks_them():
+    """Under ``expert 8`` each device computes room for every copy its axis could send it
+    (dropless: 8 times its own routed copies) and holds the blocks exchanged; a capacity
+    factor c holds c times its own instead (``gemmalab.model.experts``)."""
+    from gemmalab.plan.shapes import expert_activations
+
+    moe = presets.model_config("gemma4-26b-a4b", plan.GEMMA3_VOCAB)
+    d, h, k = moe.embed_dim, moe.expert_dim, moe.top_k_experts
+    assert expert_activations(moe, {"expert": 1, "tensor": 1}) == k * (2 * d + 3 * h)
+    assert expert_activations(moe, {"expert": 1, "tensor": 2}) == k * (2 * d + 3 * h // 2)
+    assert expert_activations(moe, {"expert": 8, "tensor": 1}) == 8 * k * (5 * d + 3 * h)
+    assert expert_activations(moe, {"expert": 8, "tensor": 1}, 1.5) == 12 * (5 * d + 3 * h)
+    assert expert_activations(moe, {"expert": 2, "tensor": 1}, 4.0) == 2 * k * (5 * d + 3 * h)
+    dense = presets.model_config("gemma4-31b", plan.GEMMA3_VOCAB)
+    assert expert_activations(dense, {"expert": 1, "tensor": 1}) == 0
+
+    config = TrainConfig.flat(model="gemma4-26b-a4b", tokenizer="gemma4", batch_size=8,
+                              maxlen=1024, lora_rank=16, remat="full", mesh={"expert": 8})
+    accelerator = plan.parse_accelerator("v6e:2x4")
+    dropless = plan.estimate(config, accelerator)
+    bounded = plan.estimate(config.replace(expert_capacity_factor=2.0), accelerator)
+    assert bounded.breakdown["params"] == dropless.breakdown["params"]
+    # A block's working set, twice (the block recomputed and its backward), for 1,024 tokens a
+    # device in bfloat16: the routed rows 8 times a device's own against 2 times.
+    sizes = {"expert": 8, "tensor": 1}
+    saved = 1024 * 2 * 2 * (expert_activations(moe, sizes) - expert_activations(moe, sizes, 2.0))
+    assert dropless.breakdown["activations"] - bounded.breakdown["activations"] == saved

@@ -33,6 +33,7 @@ from gemmalab.plan.shapes import (
     adapter_params,
     block_dims,
     expert_activations,
+    expert_kept_bytes,
     preference_segments_bound,
     vocab_size_hint,
 )
@@ -402,15 +403,16 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], c_size: int, *,
     # MLP's gate, up and activation in the compute dtype, and the attention logits and
     # probabilities over the sequence in float32.
     block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw
-             + expert_activations(model_config)) * c_size
+             + expert_activations(model_config, sizes, model.expert_capacity_factor)) * c_size
     if splash:  # no scores, but q, k, v and the output again in the kernel's heads-major layout
         block += (2 * heads * hd + 2 * kv_heads * hd) * c_size
     else:
         block += heads * length * 2 * 4
     kept = {"none": block,
             # the weight matmuls' outputs: q, k, v, attention output, gate and up, down
-            "dots": (2 * d + (heads + 2 * kv_heads) * hd + 2 * ffw) * c_size,
-            "full": d * c_size}[model.remat]
+            "dots": (2 * d + (heads + 2 * kv_heads) * hd + 2 * ffw) * c_size
+            + expert_kept_bytes(model_config),
+            "full": d * c_size + expert_kept_bytes(model_config)}[model.remat]
     layers = model_config.num_layers
     working = 0 if model.remat == "none" else block  # one block recomputed at a time
     preference = 0

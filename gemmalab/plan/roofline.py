@@ -184,7 +184,7 @@ def traffic_bytes(model_config: Any, sizes: dict[str, int], accelerator: Acceler
         * maxlen
     )
     block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw
-             + expert_activations(model_config)) * c_size
+             + expert_activations(model_config, sizes, model.expert_capacity_factor)) * c_size
     impl = attention.resolve(model.attention, accelerator.platform)
     if impl == "gemma" or (impl == "dot_product" and accelerator.platform != "gpu"):
         block += heads * maxlen * 2 * 4  # float32 scores and probabilities

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -101,13 +102,36 @@ def active_adapters(model_config: Any, adapters: Any) -> int:
     return total - experts + experts * model_config.top_k_experts // model_config.num_experts
 
 
-def expert_activations(model_config: Any) -> int:
-    """Per token of one layer of a mixture of experts, what its experts keep for the backward
-    pass: for each of its ``top_k_experts``, the sorted input and output copies and the gate,
-    up and activated widths; 0 for a dense model."""
+def expert_activations(model_config: Any, sizes: dict[str, int], capacity_factor: float = 0.0
+                       ) -> int:
+    """Per token of one layer of a mixture of experts, the elements its experts' working set
+    holds on a device (``gemmalab.model.experts``); 0 for a dense model.
+
+    Each of a token's ``top_k_experts`` routed copies is a row of the sorted input and output
+    and of the gate, up and activated widths (``tensor``'s share of them). Under an ``expert``
+    axis a device computes the rows it has room for: the axis's size times its own (dropless)
+    or ``capacity_factor`` times them; and each such row is also in the blocks sent, received
+    and returned."""
     if not getattr(model_config, "enable_moe", False):
         return 0
-    return model_config.top_k_experts * (2 * model_config.embed_dim + 3 * model_config.expert_dim)
+    shards, tensor = sizes.get("expert", 1), sizes.get("tensor", 1)
+    hidden = model_config.expert_dim
+    hidden = hidden // tensor if hidden % tensor == 0 else hidden
+    width = 2 * model_config.embed_dim + 3 * hidden
+    if shards == 1:
+        return model_config.top_k_experts * width
+    rows = min(capacity_factor, shards) if capacity_factor else shards
+    return math.ceil(model_config.top_k_experts * rows * (width + 3 * model_config.embed_dim))
+
+
+def expert_kept_bytes(model_config: Any) -> int:
+    """Per token of one layer of a mixture of experts, the bytes the compiled backward pass
+    keeps whatever the remat policy: each routed copy's output in float32 (the router weights'
+    product reads it). libtpu, 26B-A4B on a v6e 2x4 ``expert 8``, remat full: 0.09-0.13 GiB a
+    layer at 1,024 tokens a device, this figure's 0.09 (docs/gemma4.md)."""
+    if not getattr(model_config, "enable_moe", False):
+        return 0
+    return model_config.top_k_experts * model_config.embed_dim * 4
 
 
 def block_dims(model_config: Any, sizes: dict[str, int]) -> tuple[int, int, int, int, int]:
