@@ -128,8 +128,8 @@ def expert_kept_bytes(model_config: Any) -> int:
     """Per token of one layer of a mixture of experts, the bytes the compiled step holds a
     layer beyond the block's input, whatever the remat policy: a float32 value per routed copy
     and feature. Measured, not derived (libtpu, 26B-A4B LoRA on a v6e 2x4 ``expert 8``, remat
-    full; docs/gemma4.md): 0.09-0.13 GiB a layer at 1,024 tokens a device, this figure's 0.09;
-    0.33 at 2,048 (2 -> 4 layers)."""
+    full; docs/gemma4.md): 0.09-0.13 GiB a layer at 1,024 tokens a device (this figure's 0.09),
+    0.19 at 2,048 (0.17); the whole plan stays above the compiled step there."""
     if not getattr(model_config, "enable_moe", False):
         return 0
     return model_config.top_k_experts * model_config.embed_dim * 4
