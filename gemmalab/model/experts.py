@@ -107,6 +107,8 @@ def routed_ffw(x: Any, choices: Any, combine: Any, gate: ExpertWeights, linear: 
         return name if name in mesh.axis_names and mesh.shape[name] > 1 else None
 
     expert, tensor = axis(EXPERT_AXIS), axis(TENSOR_AXIS)
+    if tensor is not None and linear.w.shape[1] % mesh.shape[tensor]:
+        tensor = None  # a width the axis does not divide is computed whole, as the table does
     tokens = P(rows or None, None, None)
     gate_specs = ExpertWeights(w=P(expert, None, tensor, None),
                                a=None if gate.a is None else P(expert, None, None),
