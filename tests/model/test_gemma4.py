@@ -209,3 +209,20 @@ def test_a_tiny_gemma4_run_learns_and_reports_its_router(name, tmp_path, cache_d
     else:
         assert not any("router_balance_loss" in row for row in rows)
     assert experiment.sample("Once upon a time", max_new_tokens=8).text
+
+
+@pytest.mark.slow
+def test_a_capacity_factor_reaches_the_run_and_its_dropped_tokens_are_reported(
+        tmp_path, cache_dir, stories_file):
+    """``expert_capacity_factor`` on an expert axis: the run's MoE layers exchange with room
+    for a balanced share (capacity 1), so some routed copies are dropped, and each step's row
+    says how many."""
+    from gemmalab.train.experiment import Experiment
+
+    config = small_config(tmp_path, cache_dir, stories_file, model="gemma4-tiny-moe",
+                          num_layers=2, max_steps=3, eval_every=0, mesh={"expert": 8},
+                          expert_capacity_factor=1.0)
+    Experiment.prepare(config).train(progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    dropped = [row["router_dropped"] for row in rows]
+    assert len(dropped) == 3 and all(0.0 < d < 0.5 for d in dropped), dropped
