@@ -94,14 +94,11 @@ def routed_ffw(x: Any, choices: Any, combine: Any, gate: ExpertWeights, linear: 
     from gemmalab.model.mesh import batch_axes
 
     x, gate, linear = _adapter_gradients_first(x, gate, linear)
-    if mesh is None:
-        return _local_ffw(x, choices, combine, gate, linear, expert_scale, None, None)[0], _none()
-    rows = batch_axes(mesh)
-    ways = 1
-    for axis in rows:
-        ways *= mesh.shape[axis]
-    if x.shape[0] % ways:  # e.g. init's single row: XLA's sharding of the whole batch
-        return _local_ffw(x, choices, combine, gate, linear, expert_scale, None, None)[0], _none()
+    rows = () if mesh is None else batch_axes(mesh)
+    ways = math.prod(mesh.shape[axis] for axis in rows)
+    if mesh is None or x.shape[0] % ways:  # or a batch it does not split, e.g. init's one row
+        out, _ = _local_ffw(x, choices, combine, gate, linear, expert_scale, None, None)
+        return out, _no_drops()
 
     def axis(name: str) -> str | None:
         return name if name in mesh.axis_names and mesh.shape[name] > 1 else None
@@ -159,7 +156,7 @@ def _adapter_gradients_first(x: Any, gate: ExpertWeights, linear: ExpertWeights
             dataclasses.replace(linear, a=linear_a, b=linear_b))
 
 
-def _none() -> Any:
+def _no_drops() -> Any:
     import jax.numpy as jnp
 
     return jnp.zeros((), jnp.float32)
@@ -198,7 +195,7 @@ def _local_ffw(x: Any, choices: Any, combine: Any, gate: ExpertWeights, linear: 
         return jnp.where(kept[:, None], out * scale, jnp.zeros((), out.dtype))
 
     if shards == 1:
-        out_sorted, dropped = ffw(sorted_x, counts, sorted_expert), _none()
+        out_sorted, dropped = ffw(sorted_x, counts, sorted_expert), _no_drops()
     else:
         out_sorted, dropped = _exchanged_ffw(ffw, sorted_x, sorted_expert, counts, expert_axis,
                                              shards, local_experts, capacity_factor)
