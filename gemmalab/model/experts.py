@@ -204,13 +204,17 @@ def _local_ffw(x: Any, choices: Any, combine: Any, gate: ExpertWeights, linear: 
                       preferred_element_type=outputs.dtype), dropped
 
 
+def rows_per_copy(shards: int, capacity_factor: float) -> float:
+    """The rows a device's experts compute (and exchange) for each routed copy of its own
+    tokens, with ``shards`` of them on the expert axis: room for the whole axis's copies
+    dropless (``capacity_factor`` 0), else the factor times a balanced share, at most that."""
+    return min(capacity_factor, shards) if capacity_factor else shards
+
+
 def block_capacity(slots: int, shards: int, capacity_factor: float) -> int:
     """How many of a device's ``slots`` routed token copies one block to one of ``shards``
-    expert shards holds: all of them dropless (``capacity_factor`` 0), else the balanced share
-    times the factor."""
-    if not capacity_factor:
-        return slots
-    return min(slots, math.ceil(capacity_factor * slots / shards))
+    expert shards holds (``rows_per_copy`` of them a copy, over the shards' blocks)."""
+    return min(slots, math.ceil(rows_per_copy(shards, capacity_factor) * slots / shards))
 
 
 def _exchanged_ffw(ffw: Any, sorted_x: Any, sorted_expert: Any, counts: Any, expert_axis: str,

@@ -120,7 +120,9 @@ def expert_activations(model_config: Any, sizes: dict[str, int], capacity_factor
     width = 2 * model_config.embed_dim + 3 * hidden
     if shards == 1:
         return model_config.top_k_experts * width
-    rows = min(capacity_factor, shards) if capacity_factor else shards
+    from gemmalab.model.experts import rows_per_copy
+
+    rows = rows_per_copy(shards, capacity_factor)
     return math.ceil(model_config.top_k_experts * rows * (width + 3 * model_config.embed_dim))
 
 
