@@ -193,8 +193,9 @@ def _lora_classes() -> tuple[type, type]:
             # A free function, not a method: the interceptor would intercept a method call too.
             adapt = functools.partial(_adapt, rank=self.rank, dtype=self.dtype, scale=self.scale,
                                       modules=self.modules, unread=self.unread)
-            # QLoRA: a quantized base weight dequantizes inside, once LoRA has wrapped its layer.
-            with peft.ModuleInterceptor(adapt), quantization.dequantizing():
+            # QLoRA: a quantized base weight dequantizes inside, once LoRA has wrapped its layer;
+            # any base weight is read where its layer's input is (``frozen``).
+            with peft.ModuleInterceptor(adapt), quantization.dequantizing(frozen=True):
                 return self.model(*args, **kwargs)
 
     def _adapt(module: Any, *, rank: int, dtype: Any, scale: float, modules: str,

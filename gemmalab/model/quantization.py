@@ -193,14 +193,24 @@ def as_array(weight: Any, after: Any = None) -> Any:
     Gemma 3 27B QLoRA: 66.7 GB of temporaries, the whole base dequantized)."""
     if not is_quantized(weight):
         return weight
-    import jax
     import qwix
 
     if after is not None:
-        weight, _ = jax.lax.optimization_barrier((weight, after))
+        weight = tied(weight, after)
     if weight.qtype != "nf4":
         return qwix.dequantize(weight)
     return _nf4_dequantized(weight)
+
+
+def tied(weight: Any, after: Any) -> Any:
+    """``weight`` (any pytree) as a value that exists only once ``after`` does: an optimization
+    barrier, so that XLA computes what derives from the weight alone (its dequantization, its
+    gather from the devices it is split over) where ``after`` is used, not all blocks' at the
+    program's start."""
+    import jax
+
+    weight, _ = jax.lax.optimization_barrier((weight, after))
+    return weight
 
 
 def _nf4_dequantized(weight: Any) -> Any:
@@ -244,8 +254,14 @@ def element_count(params: Any) -> int:
 
 
 @contextlib.contextmanager
-def dequantizing() -> Iterator[None]:
+def dequantizing(frozen: bool = False) -> Iterator[None]:
     """Within: gemma's ``Einsum``s whose weight is quantized compute with it dequantized.
+
+    ``frozen``: the Einsums' weights do not train (a LoRA model's base): an unquantized one is
+    then tied to its input too (``tied``). Under fsdp XLA otherwise gathers a frozen weight
+    whenever it likes: libtpu's compile of the Gemma 4 31B LoRA step (``fsdp 8``) held some
+    twenty layers' gathered gate|up weights at once (24.1 GiB a chip; tied, 20.0). A weight
+    that trains is left alone (not measured).
 
     Nested, only the innermost acts: flax runs the outermost interceptor first, and one that
     computed an ``Einsum`` itself would hide the call from those inside it, such as LoRA's
@@ -255,7 +271,8 @@ def dequantizing() -> Iterator[None]:
     level = object()
     _LEVELS.append(level)
     try:
-        with nn.intercept_methods(functools.partial(_dequantize_einsum, level=level)):
+        with nn.intercept_methods(functools.partial(_dequantize_einsum, level=level,
+                                                    frozen=frozen)):
             yield
     finally:
         _LEVELS.remove(level)
@@ -276,7 +293,7 @@ def _einsum_classes() -> tuple[type, ...]:
 
 
 def _dequantize_einsum(next_fun: Any, args: tuple, kwargs: dict, context: Any, *,
-                       level: object) -> Any:
+                       level: object, frozen: bool) -> Any:
     module = context.module
     if (level is not _LEVELS[-1] or context.method_name != "__call__"
             or not isinstance(module, _einsum_classes())):
@@ -286,12 +303,14 @@ def _dequantize_einsum(next_fun: Any, args: tuple, kwargs: dict, context: Any, *
     weight = module.get_variable("params", module.weight_name)
     if isinstance(weight, dict):  # gemma 4's shared-scope MLP: {'w': weight}
         weight = weight.get("w", weight)
-    if not is_quantized(weight):
+    quantized = is_quantized(weight)
+    if not (quantized or frozen):
         return next_fun(*args, **kwargs)
     import jax.numpy as jnp
 
     eqn, x = (*args, *(kwargs[name] for name in ("eqn", "x") if name in kwargs))
-    weight = as_array(weight, after=x)
+    weight = as_array(weight, after=x) if quantized else tied(weight, x)
     if getattr(module, "w_scale", None) is not None:
         weight = weight * module.w_scale
     return jnp.einsum(eqn, x, weight)
+

@@ -5,6 +5,7 @@ import collections
 import shutil
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,6 +89,40 @@ def test_lora_alpha_scales_the_update_as_peft_does(tiny):
         merged = lora.merge(base, trained, lora.scale(RANK, alpha))
         expected = plain.apply({"params": merged}, tokens, return_hidden_states=True)
         np.testing.assert_allclose(delta(alpha), expected.hidden_states, atol=1e-4, rtol=1e-4)
+
+
+def _primitive_count(jaxpr, name: str) -> int:
+    """How many times ``name`` is bound in ``jaxpr``, its sub-jaxprs included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _primitive_count(sub, name)
+    return count
+
+
+def test_every_frozen_projection_is_read_where_its_input_is(tiny):
+    """A LoRA model ties each frozen base projection, adapted or not, to the activation it
+    multiplies (``quantization.tied``: under fsdp XLA would otherwise gather them all early);
+    the values are unchanged, and a model that trains its weights is left alone."""
+    config, base_model, base = tiny
+    adapters = _noisy(lora.init_adapters(config, rank=RANK, modules="attention",
+                                         dtype="float32", seed=1), seed=2)
+    model = lora.wrap(base_model, rank=RANK, alpha=8.0, modules="attention", dtype=jnp.float32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 600, (2, 12)), jnp.int32)
+    params = lora.join(base, adapters)
+
+    def logits(module, weights):
+        return module.apply({"params": weights}, tokens).logits
+
+    # Per block: q, kv, attention output, gate|up and down projections.
+    assert _primitive_count(jax.make_jaxpr(logits, static_argnums=0)(model, params).jaxpr,
+                            "optimization_barrier") == 5 * config.num_layers
+    assert _primitive_count(jax.make_jaxpr(logits, static_argnums=0)(base_model, base).jaxpr,
+                            "optimization_barrier") == 0
+    merged = lora.merge(base, adapters, lora.scale(RANK, 8.0))
+    np.testing.assert_allclose(logits(model, params), logits(base_model, merged), atol=1e-4,
+                               rtol=1e-4)
 
 
 def test_lora_parameters_are_checked_in_the_config():

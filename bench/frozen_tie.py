@@ -1,0 +1,83 @@
+"""LoRA's frozen base tied to each layer's input (``quantization.dequantizing(frozen=True)``)
+against untied, on the CPU step: the embedded Gemma 3 270M's LoRA run, each arm in its own
+process, rounds alternating.
+
+    .venv/bin/python bench/frozen_tie.py --rounds 2 --steps 8
+
+The tie is an optimization barrier between each frozen weight and the activation it multiplies:
+on a TPU slice under fsdp it keeps XLA from gathering every layer's weights early (docs/gemma4.md,
+the 31B). On one CPU nothing is gathered; this measures what the barrier costs there. The arms
+differ in that alone ("untied" passes ``frozen=False``); both train the same packed batches of
+the embedded stories (LoRA r8, batch 8 x 128, bfloat16 compute). Reported: median step seconds
+(the first step, which compiles, left out), tokens/s, the first step's seconds, peak RSS, and
+the losses of the last step (the barrier reorders, it does not change values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ARMS = ("tied", "untied")
+
+
+def run_one(arm: str, steps: int, batch: int, maxlen: int) -> dict:
+    from gemmalab.model import quantization
+
+    if arm == "untied":
+        with_tie = quantization.dequantizing
+        quantization.dequantizing = lambda frozen=False: with_tie(frozen=False)
+    from gemmalab.config import TrainConfig
+    from gemmalab.train.experiment import Experiment
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        experiment = Experiment.prepare(TrainConfig.flat(
+            checkpoint="embedded:gemma3-270m", lora_rank=8, batch_size=batch, maxlen=maxlen,
+            max_steps=steps + 1, eval_every=0, checkpoint_every=0, max_eval_stories=4,
+            seed=0, output_dir=output_dir))
+        experiment.train(progress=False)
+    history = experiment.history
+    times = [row["step_time_s"] for row in history[1:]]
+    step_s = statistics.median(times)
+    return {"arm": arm, "step_s": step_s, "tokens_per_s": batch * maxlen / step_s,
+            "first_step_s": history[0]["step_time_s"],
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "last_loss": history[-1]["loss"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--maxlen", type=int, default=128)
+    args = parser.parse_args()
+    if args.one:
+        result = run_one(args.one, args.steps, args.batch_size, args.maxlen)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    print("| round | arm | s / step | tokens/s | first step s | peak RSS GB | last loss |\n"
+          "|---|---|---|---|---|---|---|", flush=True)
+    for round_ in range(1, args.rounds + 1):
+        for arm in ARMS if round_ % 2 else ARMS[::-1]:
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", arm, "--steps", str(args.steps),
+                 "--batch-size", str(args.batch_size), "--maxlen", str(args.maxlen)],
+                capture_output=True, text=True, check=False)
+            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise SystemExit(f"{arm} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+            r = json.loads(line[len("RESULT "):])
+            print(f"| {round_} | {arm} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
+                  f"{r['first_step_s']:.1f} | {r['peak_rss_gb']:.1f} | {r['last_loss']:.6f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
