@@ -83,9 +83,10 @@ def scale(rank: int, alpha: float | None) -> float:
 
 
 def wrap(model: Any, *, rank: int, alpha: float | None, modules: str, dtype: Any,
-         token_ids: tuple[int, ...] = ()) -> Any:
+         token_ids: tuple[int, ...] = (), mesh: Any = None) -> Any:
     """``model`` with LoRA adapters (``dtype``) on its attention, MLP or all projections, and
-    the embedding rows of ``token_ids`` trained beside them."""
+    the embedding rows of ``token_ids`` trained beside them. ``mesh``: the one the base weights
+    are split over (``quantization.dequantizing``)."""
     lora_scale = scale(rank, alpha)
     # gemma jit-compiles Transformer.__call__ with the module as a static argument, so its trace
     # is reused for any equal module, whatever interceptor surrounds the call: an equal base
@@ -94,10 +95,10 @@ def wrap(model: Any, *, rank: int, alpha: float | None, modules: str, dtype: Any
     keyed = _keyed_class(type(model))(
         **{f.name: getattr(model, f.name) for f in dataclasses.fields(model)
            if f.init and f.name not in ("parent", "name")},
-        lora_key=(rank, lora_scale, modules, str(dtype), tuple(token_ids)))
+        lora_key=(rank, lora_scale, modules, str(dtype), tuple(token_ids), mesh))
     return _lora_classes()[0](rank=rank, model=keyed, dtype=dtype, scale=lora_scale,
                               modules=modules, token_ids=tuple(token_ids),
-                              unread=unread_projections(model.config))
+                              unread=unread_projections(model.config), mesh=mesh)
 
 
 def unread_projections(model_config: Any) -> frozenset[tuple[str, ...]]:
@@ -187,6 +188,7 @@ def _lora_classes() -> tuple[type, type]:
         modules: str = "all"
         token_ids: tuple[int, ...] = ()
         unread: frozenset[tuple[str, ...]] = frozenset()
+        mesh: Any = None  # the one the base weights are split over
 
         @nn.compact
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -195,7 +197,8 @@ def _lora_classes() -> tuple[type, type]:
                                       modules=self.modules, unread=self.unread)
             # QLoRA: a quantized base weight dequantizes inside, once LoRA has wrapped its layer;
             # any base weight is read where its layer's input is (``frozen``).
-            with peft.ModuleInterceptor(adapt), quantization.dequantizing(frozen=True):
+            with peft.ModuleInterceptor(adapt), quantization.dequantizing(frozen=True,
+                                                                          mesh=self.mesh):
                 return self.model(*args, **kwargs)
 
     def _adapt(module: Any, *, rank: int, dtype: Any, scale: float, modules: str,

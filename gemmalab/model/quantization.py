@@ -213,6 +213,27 @@ def tied(weight: Any, after: Any) -> Any:
     return weight
 
 
+def _pinned(weight: Any, after: Any) -> Any:
+    """``weight`` plus zero times one element of ``after``: a data dependency that, unlike a
+    barrier, survives libtpu (its optimized program keeps no barrier, and a gather of a weight
+    that depends on nothing else is scheduled wherever its scheduler likes: the 31B's every
+    ``attn_vec_einsum`` at the step's start). Only for weights split over the mesh: on one CPU
+    the elementwise pass over each weight made the 270M's LoRA step 45% slower. (A non-finite
+    first element makes the weight non-finite: the step's loss would be so anyway.)"""
+    zero = after.reshape(-1)[0].astype(weight.dtype) * 0
+    return weight + zero
+
+
+def _split(module: Any, weight: Any, mesh: Any) -> bool:
+    """Whether the table splits an ``Einsum``'s weight over ``mesh``: it is then gathered."""
+    if mesh is None:
+        return False
+    import jax
+
+    path = tuple(jax.tree_util.DictKey(name) for name in (*module.path, module.weight_name))
+    return any(axis is not None for axis in sharding.weight_spec(path, weight.shape, mesh))
+
+
 def _nf4_dequantized(weight: Any) -> Any:
     """An nf4 weight dequantized by 15 selects over its 16 levels, elementwise: qwix's own
     decoding indexes its level table element by element, a gather XLA neither fuses nor keeps
@@ -254,13 +275,15 @@ def element_count(params: Any) -> int:
 
 
 @contextlib.contextmanager
-def dequantizing(frozen: bool = False) -> Iterator[None]:
+def dequantizing(frozen: bool = False, mesh: Any = None) -> Iterator[None]:
     """Within: gemma's ``Einsum``s whose weight is quantized compute with it dequantized.
 
     ``frozen``: the Einsums' weights do not train (a LoRA model's base): an unquantized one is
-    then tied to its input too (``tied``). Under fsdp XLA otherwise gathers a frozen weight
-    whenever it likes: libtpu's compile of the Gemma 4 31B LoRA step (``fsdp 8``) held some
-    twenty layers' gathered gate|up weights at once (24.1 GiB a chip; tied, 20.0). A weight
+    then tied to its input too (``tied``), and one that ``mesh`` splits is also read through a
+    data dependency on it (``_pinned``). Under fsdp XLA otherwise gathers a frozen weight
+    whenever it likes: libtpu's compile of the Gemma 4 31B LoRA step (``fsdp 8``, 8 x 1,024)
+    held some twenty layers' gathered gate|up weights at once (24.1 GiB a chip); tied, every
+    layer's attention output projection (20.0); pinned too, 15.6 (the plan: 15.0). A weight
     that trains is left alone (not measured).
 
     Nested, only the innermost acts: flax runs the outermost interceptor first, and one that
@@ -272,7 +295,7 @@ def dequantizing(frozen: bool = False) -> Iterator[None]:
     _LEVELS.append(level)
     try:
         with nn.intercept_methods(functools.partial(_dequantize_einsum, level=level,
-                                                    frozen=frozen)):
+                                                    frozen=frozen, mesh=mesh)):
             yield
     finally:
         _LEVELS.remove(level)
@@ -293,7 +316,7 @@ def _einsum_classes() -> tuple[type, ...]:
 
 
 def _dequantize_einsum(next_fun: Any, args: tuple, kwargs: dict, context: Any, *,
-                       level: object, frozen: bool) -> Any:
+                       level: object, frozen: bool, mesh: Any) -> Any:
     module = context.module
     if (level is not _LEVELS[-1] or context.method_name != "__call__"
             or not isinstance(module, _einsum_classes())):
@@ -309,7 +332,12 @@ def _dequantize_einsum(next_fun: Any, args: tuple, kwargs: dict, context: Any, *
     import jax.numpy as jnp
 
     eqn, x = (*args, *(kwargs[name] for name in ("eqn", "x") if name in kwargs))
-    weight = as_array(weight, after=x) if quantized else tied(weight, x)
+    if quantized:
+        weight = as_array(weight, after=x)
+    elif _split(module, weight, mesh):
+        weight = _pinned(tied(weight, x), x)
+    else:
+        weight = tied(weight, x)
     if getattr(module, "w_scale", None) is not None:
         weight = weight * module.w_scale
     return jnp.einsum(eqn, x, weight)

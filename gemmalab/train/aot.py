@@ -134,7 +134,8 @@ def compile_step(config: TrainConfig, accelerator: Accelerator) -> dict[str, Any
                               base, frozen_shardings)
     if config.lora.rank:  # the state: adapters; the base: a compute-dtype argument
         model = lora.wrap(model, rank=config.lora.rank, alpha=config.lora.alpha,
-                          modules=config.lora.modules, dtype=jnp.dtype(config.model.param_dtype))
+                          modules=config.lora.modules, dtype=jnp.dtype(config.model.param_dtype),
+                          mesh=device_mesh)
         params = adapter_params(model_config, config.lora, config.model.param_dtype)
     if dpo:
         preference_settings = optimization.Preference.of(

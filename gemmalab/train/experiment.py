@@ -154,7 +154,8 @@ class Experiment:
                                       chat=prepared.corpus.conversational,
                                       pretrained=bool(config.model.checkpoint))
         model = (lora.wrap(base_model, rank=config.lora.rank, alpha=config.lora.alpha,
-                           modules=config.lora.modules, dtype=param_dtype, token_ids=token_ids)
+                           modules=config.lora.modules, dtype=param_dtype, token_ids=token_ids,
+                           mesh=device_mesh)
                  if config.lora.rank else base_model)
         peak_lr = config.optimizer.learning_rate or presets.default_learning_rate(
             config.model.preset, lora=config.lora.rank > 0, objective=config.trainer.objective)

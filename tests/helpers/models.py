@@ -69,7 +69,7 @@ def _train(shape, devices, steps=20, compute_dtype=jnp.float32, num_slices=1,
                                             base_quantization, jnp.float32, device_mesh)
         frozen_shardings = sharding.param_sharding(frozen, device_mesh)
         model = lora.wrap(model, rank=lora_rank, alpha=2.0 * lora_rank, modules="all",
-                          dtype=jnp.float32)
+                          dtype=jnp.float32, mesh=device_mesh)
         params = lora.init_adapters(config, rank=lora_rank, modules="all", dtype="float32",
                                     seed=1)
     schedule = optimization.learning_rate_schedule(3e-3, steps, warmup_ratio=0.1, min_lr_ratio=0.1)

@@ -12,7 +12,7 @@ import pytest
 
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
-from gemmalab.model import lora, presets, sampling
+from gemmalab.model import lora, mesh, presets, sampling
 from gemmalab.train.experiment import Experiment
 from gemmalab.weights import orbax_params
 from tests.helpers import PROMPT
@@ -103,8 +103,9 @@ def _primitive_count(jaxpr, name: str) -> int:
 
 def test_every_frozen_projection_is_read_where_its_input_is(tiny):
     """A LoRA model ties each frozen base projection, adapted or not, to the activation it
-    multiplies (``quantization.tied``: under fsdp XLA would otherwise gather them all early);
-    the values are unchanged, and a model that trains its weights is left alone."""
+    multiplies (``quantization.tied``: under fsdp XLA would otherwise gather them all early),
+    and on a mesh that splits them also reads them through a data dependency on it; the values
+    are unchanged, and a model that trains its weights is left alone."""
     config, base_model, base = tiny
     adapters = _noisy(lora.init_adapters(config, rank=RANK, modules="attention",
                                          dtype="float32", seed=1), seed=2)
@@ -123,6 +124,26 @@ def test_every_frozen_projection_is_read_where_its_input_is(tiny):
     merged = lora.merge(base, adapters, lora.scale(RANK, 8.0))
     np.testing.assert_allclose(logits(model, params), logits(base_model, merged), atol=1e-4,
                                rtol=1e-4)
+
+    # On a mesh that splits them (fsdp), each is also read through a data dependency on its
+    # input (plus zero times one of its elements: libtpu drops barriers), with the same values.
+    split = lora.wrap(base_model, rank=RANK, alpha=8.0, modules="attention", dtype=jnp.float32,
+                      mesh=mesh.make_mesh({"fsdp": 2}, jax.devices()[:2]))
+    pins = (_scalar_adds(jax.make_jaxpr(logits, static_argnums=0)(split, params).jaxpr)
+            - _scalar_adds(jax.make_jaxpr(logits, static_argnums=0)(model, params).jaxpr))
+    assert pins == 5 * config.num_layers
+    np.testing.assert_array_equal(logits(split, params), logits(model, params))
+
+
+def _scalar_adds(jaxpr) -> int:
+    """The ``add``s of a scalar to an array of two or more dimensions in ``jaxpr``."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        ranks = sorted(np.ndim(v.aval) for v in eqn.invars) if eqn.primitive.name == "add" else ()
+        count += len(ranks) == 2 and ranks[0] == 0 and ranks[1] >= 2
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _scalar_adds(sub)
+    return count
 
 
 def test_lora_parameters_are_checked_in_the_config():
