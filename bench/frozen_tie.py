@@ -6,11 +6,12 @@ process, rounds alternating.
 
 The tie is an optimization barrier between each frozen weight and the activation it multiplies:
 on a TPU slice under fsdp it keeps XLA from gathering every layer's weights early (docs/gemma4.md,
-the 31B). On one CPU nothing is gathered; this measures what the barrier costs there. The arms
-differ in that alone ("untied" passes ``frozen=False``); both train the same packed batches of
-the embedded stories (LoRA r8, batch 8 x 128, bfloat16 compute). Reported: median step seconds
-(the first step, which compiles, left out), tokens/s, the first step's seconds, peak RSS, and
-the losses of the last step (the barrier reorders, it does not change values).
+the 31B; a weight the mesh splits is read through a data dependency too, never on one device).
+On one CPU nothing is gathered; this measures what the barrier costs there. The arms differ in
+that alone ("untied" enters ``dequantizing()`` without ``frozen``); both train the same packed
+batches of the embedded stories (LoRA r8, batch 8 x 128, bfloat16 compute). Reported: median
+step seconds (the first step, which compiles, left out), tokens/s, the first step's seconds,
+peak RSS, and the losses of the last step (the barrier reorders, it does not change values).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def run_one(arm: str, steps: int, batch: int, maxlen: int) -> dict:
 
     if arm == "untied":
         with_tie = quantization.dequantizing
-        quantization.dequantizing = lambda frozen=False: with_tie(frozen=False)
+        quantization.dequantizing = lambda frozen=False, mesh=None: with_tie()
     from gemmalab.config import TrainConfig
     from gemmalab.train.experiment import Experiment
 

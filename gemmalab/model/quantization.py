@@ -341,4 +341,3 @@ def _dequantize_einsum(next_fun: Any, args: tuple, kwargs: dict, context: Any, *
     if getattr(module, "w_scale", None) is not None:
         weight = weight * module.w_scale
     return jnp.einsum(eqn, x, weight)
-

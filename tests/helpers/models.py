@@ -1,5 +1,6 @@
-"""The tiny model cut short, its params and batches, and the one-process sharded training that
-tests/model/test_sharding.py compares meshes with (also run by tests/train/'s two processes)."""
+"""The tiny model cut short, its params and batches, the one-process sharded training that
+tests/model/test_sharding.py compares meshes with (also run by tests/train/'s two processes), and
+the equations of a traced model."""
 
 import functools
 
@@ -90,3 +91,15 @@ def _train(shape, devices, steps=20, compute_dtype=jnp.float32, num_slices=1,
     if lora_rank:
         return np.asarray(losses), state, frozen
     return np.asarray(losses), state
+
+
+def jaxpr_equations(jaxpr):
+    """Every equation of ``jaxpr``, those of its sub-jaxprs (jit, remat, custom rules) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_equations(inner)
+                elif hasattr(inner, "jaxpr"):  # a closed jaxpr
+                    yield from jaxpr_equations(inner.jaxpr)

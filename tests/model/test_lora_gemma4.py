@@ -12,6 +12,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from gemmalab.model import lora, presets, sharding
 from gemmalab.plan.shapes import abstract_params
+from tests.helpers.models import jaxpr_equations
 from tests.helpers.runs import small_config
 
 VOCAB = 96
@@ -163,17 +164,6 @@ def test_expert_split_adapters_give_one_devices_loss_and_gradients():
         np.testing.assert_allclose(g, w, atol=1e-4 * float(jnp.abs(w).max()))
 
 
-def _jaxpr_equations(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, tuple | list) else (value,):
-                if hasattr(inner, "eqns"):
-                    yield from _jaxpr_equations(inner)
-                elif hasattr(inner, "jaxpr"):
-                    yield from _jaxpr_equations(inner.jaxpr)
-
-
 def test_expert_adapters_run_on_the_routed_tokens_never_as_a_dense_update():
     """The experts' low-rank products are ragged: four more ragged_dots a MoE layer (two a
     weight), and no product anywhere as large as one set of experts' update."""
@@ -186,7 +176,7 @@ def test_expert_adapters_run_on_the_routed_tokens_never_as_a_dense_update():
 
     def equations(m, params):
         jaxpr = jax.make_jaxpr(lambda p: m.apply({"params": p}, tokens).logits)(params)
-        return list(_jaxpr_equations(jaxpr.jaxpr))
+        return list(jaxpr_equations(jaxpr.jaxpr))
 
     plain = equations(base_model, base)
     adapted = equations(model, lora.join(base, adapters))
