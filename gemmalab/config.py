@@ -53,9 +53,10 @@ LORA_MODULES = ("attention", "mlp", "all")
 # (gemmalab.model.quantization).
 BASE_QUANTIZATIONS = ("none", "int8", "int4", "nf4")
 # How attention is computed (gemmalab.model.attention): gemma's own, jax.nn.dot_product_attention
-# (cuDNN on GPUs), Pallas' TPU splash kernel, or "auto": splash on TPUs, cuDNN on GPUs, gemma's
-# on CPUs. The weights are the same whichever runs.
-ATTENTION_IMPLS = ("auto", "gemma", "dot_product", "splash")
+# (cuDNN on GPUs), Pallas' TPU splash kernel, gemma's arithmetic in causal blocks of queries
+# ("blocked"), or "auto": splash on TPUs, cuDNN on GPUs, blocked on CPUs. The weights are the
+# same whichever runs.
+ATTENTION_IMPLS = ("auto", "gemma", "dot_product", "splash", "blocked")
 
 
 # Rows per step when batch_size is None. The tiny preset reaches a given held-out quality

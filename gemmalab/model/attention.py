@@ -11,9 +11,14 @@ RMSNorms, gemma's RoPE with the layer's base frequency and scale factor, the
 
 - ``"dot_product"``: ``jax.nn.dot_product_attention``, cuDNN's fused kernel on GPUs that accept
   the case (XLA's otherwise, e.g. on CPUs or in float32);
-- ``"splash"``: the Pallas TPU splash-attention kernel (interpreted off TPUs: slow, for tests).
+- ``"splash"``: the Pallas TPU splash-attention kernel (interpreted off TPUs: slow, for tests);
+- ``"blocked"``: gemma's own arithmetic (its dtypes, mask value and softmax) on blocks of
+  ``BLOCK_ROWS`` queries, each against only the keys it can see: those before its last row, and
+  within the window on a local layer. A causal row of 512 computes 5/8 of gemma's scores, a
+  local layer of 2,048 (window 512) 27% (``blocked_score_share``). On CPUs, where nothing is
+  fused, that is the work saved (bench/attention_blocks.py).
 
-``"auto"`` means splash on TPUs, dot_product on GPUs, gemma's own on CPUs.
+``"auto"`` means splash on TPUs, dot_product on GPUs, blocked on CPUs.
 
 The segment ids travel in gemma's ``attention_mask`` argument as a ``[B, L, 1]`` column marking
 where each segment starts (``segment_starts``): it passes gemma's type checks, jit and remat
@@ -41,6 +46,8 @@ from gemmalab.errors import ConfigError
 SPLASH_LANES = 128
 # Largest splash block (queries and keys): 512 is MaxText's choice for v5e/v6e.
 SPLASH_BLOCKS = (512, 256, 128)
+# Queries per block of "blocked" attention.
+BLOCK_ROWS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +55,10 @@ class Kernel:
     """Which fused kernel runs attention, for which devices. Hashable: it is part of the model's
     static fields, so switching kernels re-traces gemma's jit-compiled ``__call__``."""
 
-    name: str  # "dot_product" | "splash"
+    name: str  # "dot_product" | "splash" | "blocked"
     platform: str  # "cpu" | "gpu" | "tpu": of the devices the step runs on
     mesh: Any = None  # jax Mesh: splash runs on each device's rows under shard_map
+    block_rows: int = BLOCK_ROWS  # "blocked": queries per block
 
     @property
     def interpret(self) -> bool:
@@ -65,7 +73,7 @@ def resolve(name: str, platform: str) -> str:
                           f"use one of {ATTENTION_IMPLS}")
     if name != "auto":
         return name
-    return {"tpu": "splash", "gpu": "dot_product"}.get(platform, "gemma")
+    return {"tpu": "splash", "gpu": "dot_product"}.get(platform, "blocked")
 
 
 def kernel_for(name: str, *, platform: str, mesh: Any = None,
@@ -181,7 +189,7 @@ def attend(module: Any, x: Any, positions: Any, segment_ids: Any, kernel: Kernel
         if module.sliding_window_size is None:
             raise ValueError("Sliding_window_size must be set if Local Sliding attention type")
         window = module.sliding_window_size
-    scores = _splash if kernel.name == "splash" else _dot_product
+    scores = {"splash": _splash, "dot_product": _dot_product, "blocked": _blocked}[kernel.name]
     encoded = scores(query, key, value, segment_ids, window=window,
                      soft_cap=module.attn_logits_soft_cap, kernel=kernel)
     return module.attn_vec_einsum("BTNH,NHD->BTD", encoded)
@@ -209,6 +217,55 @@ def _dot_product(query: Any, key: Any, value: Any, segment_ids: Any, *, window: 
         except (ValueError, NotImplementedError, RuntimeError):
             pass  # cuDNN refuses this dtype, head size or version: XLA's below
     return jax.nn.dot_product_attention(query, key, value, implementation="xla", **options)
+
+
+def blocks(length: int, block_rows: int, window: int | None) -> list[tuple[int, int, int]]:
+    """``(first query, end of queries, first key)`` of each block of ``block_rows`` queries of
+    a row of ``length``; a block's keys end where its queries do (causal). With a ``window``
+    a query sees itself and the ``window - 1`` keys before it."""
+    spans = []
+    for start in range(0, length, block_rows):
+        end = min(start + block_rows, length)
+        spans.append((start, end, 0 if window is None else max(0, start - window + 1)))
+    return spans
+
+
+def blocked_score_share(length: int, block_rows: int, window: int | None) -> float:
+    """The share of gemma's ``length x length`` scores that ``"blocked"`` computes."""
+    return sum((end - start) * (end - first) for start, end, first in
+               blocks(length, block_rows, window)) / length ** 2
+
+
+def _blocked(query: Any, key: Any, value: Any, segment_ids: Any, *, window: int | None,
+             soft_cap: float | None, kernel: Kernel) -> Any:
+    """gemma's scores, mask and softmax (``gm/nn/_modules.py``: its dtypes, its ``K_MASK``),
+    block by block of queries (``blocks``); ``[B, L, heads, H]`` queries, ``[B, L, kv_heads,
+    H]`` keys and values. A key another block would need is never masked inside one, so each
+    query's softmax is over exactly gemma's keys."""
+    import jax
+    import jax.numpy as jnp
+    from gemma.gm.nn import _modules
+
+    batch, length, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+    rows = jnp.arange(length)
+    outputs = []
+    for start, end, first in blocks(length, kernel.block_rows, window):
+        logits = jnp.einsum("BTKGH,BSKH->BTKGS", grouped[:, start:end], key[:, first:end])
+        logits = logits.reshape(batch, end - start, heads, end - first)
+        if soft_cap is not None:
+            logits = jnp.tanh(logits / soft_cap) * soft_cap
+        seen = (segment_ids[:, start:end, None] == segment_ids[:, None, first:end]) & (
+            rows[start:end, None] >= rows[None, first:end])
+        if window is not None:
+            seen &= rows[start:end, None] - rows[None, first:end] < window
+        logits = jnp.where(seen[:, :, None, :], logits, _modules.K_MASK)
+        probs = jax.nn.softmax(logits, axis=-1).astype(key.dtype)
+        probs = probs.reshape(batch, end - start, kv_heads, heads // kv_heads, end - first)
+        encoded = jnp.einsum("BTKGS,BSKH->BTKGH", probs, value[:, first:end])
+        outputs.append(encoded.reshape(batch, end - start, heads, head_dim))
+    return outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs, axis=1)
 
 
 def _splash(query: Any, key: Any, value: Any, segment_ids: Any, *, window: int | None,

@@ -24,7 +24,7 @@ from gemmalab.config import (
 )
 from gemmalab.data_parallel import batch_ways, check_batch_split, check_expert_axis
 from gemmalab.errors import ConfigError
-from gemmalab.model import quantization
+from gemmalab.model import attention, quantization
 from gemmalab.plan.roofline import Roofline, check_price, model_flops, run_steps, traffic_bytes
 from gemmalab.plan.shapes import (
     BATCH_FIELD_COUNT,
@@ -275,7 +275,8 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
         ),
         "activations": _activation_bytes(
             model_config, sizes, c_size, model=config.model, trainer=config.trainer,
-            maxlen=config.data.maxlen, splash=_runs_splash(config.model.attention, accelerator)
+            maxlen=config.data.maxlen,
+            attention_impl=attention.resolve(config.model.attention, accelerator.platform)
         ),
         "logits": _logits_bytes(config.trainer, config.data.maxlen, sizes, vocab, data_ways),
         "batch": BATCH_FIELD_COUNT
@@ -371,18 +372,21 @@ def _reference_gather_bytes(gathered: dict[str, int], c_size: int) -> int:
     return (gathered.get("embedder", 0) + 2 * max(blocks, default=0)) * c_size
 
 
-def _runs_splash(attention_impl: str, accelerator: Accelerator) -> bool:
-    from gemmalab.model import attention
-
-    return attention.resolve(attention_impl, accelerator.platform) == "splash"
+def _score_share(attention_impl: str, length: int) -> float:
+    """The share of a row's ``length x length`` scores that ``attention_impl`` computes."""
+    if attention_impl != "blocked":
+        return 1.0
+    return attention.blocked_score_share(length, attention.BLOCK_ROWS, None)
 
 
 def _activation_bytes(model_config: Any, sizes: dict[str, int], c_size: int, *,
                       model: ModelConfig, trainer: TrainerConfig, maxlen: int,
-                      splash: bool = False) -> int:
+                      attention_impl: str = "gemma") -> int:
     """What the backward pass keeps of one micro-batch, plus one block's working set.
 
-    ``splash``: attention by the splash kernel (gemmalab.model.attention), which keeps no scores.
+    ``attention_impl`` (resolved, gemmalab.model.attention): splash keeps no scores; blocked
+    keeps those of its blocks (``attention.blocked_score_share`` of a causal row's, counted for
+    every layer: a local layer's share is smaller).
 
     DPO (``trainer.objective``): the reference's forward pass runs after the policy's
     forward and
@@ -404,10 +408,10 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], c_size: int, *,
     # probabilities over the sequence in float32.
     block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw
              + expert_activations(model_config, sizes, model.expert_capacity_factor)) * c_size
-    if splash:  # no scores, but q, k, v and the output again in the kernel's heads-major layout
+    if attention_impl == "splash":  # no scores; q, k, v and the output in heads-major layout
         block += (2 * heads * hd + 2 * kv_heads * hd) * c_size
     else:
-        block += heads * length * 2 * 4
+        block += round(heads * length * 2 * 4 * _score_share(attention_impl, length))
     kept = {"none": block,
             # the weight matmuls' outputs: q, k, v, attention output, gate and up, down
             "dots": (2 * d + (heads + 2 * kv_heads) * hd + 2 * ffw) * c_size

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from gemmalab import plan
+from gemmalab.accelerators import GIB, Accelerator
 from gemmalab.config import TrainConfig
 from gemmalab.errors import ConfigError
 from gemmalab.model import attention, lora, mesh, presets
@@ -25,7 +26,8 @@ from tests.helpers.models import short_tiny
 
 WINDOW = 16  # the tiny preset's local layers, narrowed well below the row
 LENGTH = 96  # not a multiple of splash's 128 lanes: the kernel's padding is exercised
-FUSED = ("dot_product", "splash")
+FUSED = ("dot_product", "splash", "blocked")
+BLOCK_ROWS = 40  # "blocked": blocks of 40, 40 and 16 queries; a local block sees 55 keys or fewer
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +76,12 @@ def packed_batch(rows: int = 4, seed: int = 0) -> dict[str, jax.Array]:
 def build(config, attention_name, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # splash interpreted off TPU: slow, said once
-        return presets.build_model(config, param_dtype=jnp.float32, attention=attention_name,
-                                   **kwargs)
+        model = presets.build_model(config, param_dtype=jnp.float32, attention=attention_name,
+                                    **kwargs)
+    if attention_name == "blocked":  # blocks shorter than the row, one shorter than the rest
+        model = model.clone(attention=dataclasses.replace(model.attention,
+                                                          block_rows=BLOCK_ROWS))
+    return model
 
 
 def run(model, params, batch, dtype=jnp.float32, frozen=None):
@@ -119,7 +125,7 @@ def test_an_unknown_implementation_is_a_one_line_config_error():
 
 
 @pytest.mark.parametrize(("platform", "chosen"), [("tpu", "splash"), ("gpu", "dot_product"),
-                                                  ("cpu", "gemma")])
+                                                  ("cpu", "blocked")])
 def test_auto_picks_the_platforms_kernel(platform, chosen):
     assert attention.resolve("auto", platform) == chosen
     assert attention.resolve("dot_product", platform) == "dot_product"
@@ -130,6 +136,17 @@ def test_a_soft_capped_model_refuses_dot_product_and_auto_falls_back_to_gemma():
         attention.kernel_for("dot_product", platform="gpu", soft_cap=50.0)
     assert attention.kernel_for("auto", platform="gpu", soft_cap=50.0) is None
     assert attention.kernel_for("auto", platform="tpu", soft_cap=50.0).name == "splash"
+
+
+def test_blocked_attention_computes_only_the_scores_its_queries_see():
+    assert attention.blocks(96, 40, None) == [(0, 40, 0), (40, 80, 0), (80, 96, 0)]
+    assert attention.blocks(96, 40, 16) == [(0, 40, 0), (40, 80, 25), (80, 96, 65)]
+    assert attention.blocks(96, 128, None) == [(0, 96, 0)]  # one block: gemma's scores
+    assert attention.blocked_score_share(96, 128, None) == 1.0
+    assert attention.blocked_score_share(512, 128, None) == pytest.approx(5 / 8)
+    assert attention.blocked_score_share(2048, 128, 512) == pytest.approx(0.2731, abs=1e-4)
+    kernel = attention.kernel_for("blocked", platform="cpu", soft_cap=50.0)  # caps like gemma
+    assert kernel.name == "blocked" and kernel.block_rows == attention.BLOCK_ROWS
 
 
 def test_segment_starts_carry_the_segments():
@@ -238,7 +255,7 @@ def test_switching_implementation_in_one_process_retraces(tiny, monkeypatch):
     monkeypatch.setattr(attention, "attend",
                         lambda *args: ran.append(args[-1].name) or fused_attend(*args))
     outputs = {}
-    for name in ("gemma", "dot_product", "splash", "gemma"):
+    for name in ("gemma", *FUSED, "gemma"):
         ran.clear()
         model = build(config, name)
         mask = (attention.segment_starts(batch["segment_ids"]) if attention.kernel_of(model)
@@ -284,6 +301,14 @@ def test_the_memory_plan_counts_no_scores_for_splash():
     assert activations(8192, "gemma") > 2 * activations(1024, "gemma")
     assert activations(8192, "auto") == activations(8192, "splash")
     assert activations(8192, "auto", "h200") == activations(8192, "gemma", "h200")
+    # On a CPU "auto" is blocked: a causal row's blocks keep 5/8 of gemma's scores at 512.
+    cpu = Accelerator("cpu", 1, 24 * GIB, None)
+    gemma, blocked, splash = (activations(512, name, cpu) for name in ("gemma", "auto", "splash"))
+    assert splash < blocked < gemma
+    model = presets.model_config("gemma3-270m", 262_144)
+    kept = (model.num_layers + 1) * 32 * 512  # every layer's (no remat) and one working block
+    scores = kept * model.num_heads * 512 * 2 * 4  # per token: a row of scores and of probs
+    assert gemma - blocked == pytest.approx(scores * 3 / 8, abs=kept)
 
 
 # --- a whole run -----------------------------------------------------------------------------
