@@ -20,10 +20,10 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+import arms
 
 ARMS = ("gemma", "blocked")
 
@@ -71,20 +71,12 @@ def main() -> None:
     print(f"batch {args.batch_size} x {args.maxlen}\n"
           "| round | arm | s / step | tokens/s | cpu_mfu | peak RSS GB | last loss |\n"
           "|---|---|---|---|---|---|---|", flush=True)
-    for round_ in range(1, args.rounds + 1):
-        for arm in ARMS if round_ % 2 else ARMS[::-1]:
-            done = subprocess.run(
-                [sys.executable, __file__, "--one", arm, "--steps", str(args.steps),
-                 "--batch-size", str(args.batch_size), "--maxlen", str(args.maxlen)],
-                capture_output=True, text=True, check=False, env=arm_environment())
-            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                raise SystemExit(f"{arm} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
-            r = json.loads(line[len("RESULT "):])
-            mfu = "-" if r["cpu_mfu"] is None else f"{r['cpu_mfu']:.2f}"
-            print(f"| {round_} | {arm} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | "
-                  f"{r['peak_rss_gb']:.1f} | {r['last_loss']:.5f} |", flush=True)
-
+    for round_, arm, r in arms.alternate(__file__, ARMS, args.rounds, [
+            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+            "--maxlen", str(args.maxlen)], env=arm_environment()):
+        mfu = "-" if r["cpu_mfu"] is None else f"{r['cpu_mfu']:.2f}"
+        print(f"| {round_} | {arm} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | "
+              f"{r['peak_rss_gb']:.1f} | {r['last_loss']:.5f} |", flush=True)
 
 if __name__ == "__main__":
     main()

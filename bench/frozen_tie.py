@@ -20,9 +20,9 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
+
+import arms
 
 ARMS = ("tied", "untied")
 
@@ -65,20 +65,12 @@ def main() -> None:
         return
     print("| round | arm | s / step | tokens/s | first step s | peak RSS GB | last loss |\n"
           "|---|---|---|---|---|---|---|", flush=True)
-    for round_ in range(1, args.rounds + 1):
-        for arm in ARMS if round_ % 2 else ARMS[::-1]:
-            done = subprocess.run(
-                [sys.executable, __file__, "--one", arm, "--steps", str(args.steps),
-                 "--batch-size", str(args.batch_size), "--maxlen", str(args.maxlen)],
-                capture_output=True, text=True, check=False)
-            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                raise SystemExit(f"{arm} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
-            r = json.loads(line[len("RESULT "):])
-            print(f"| {round_} | {arm} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
-                  f"{r['first_step_s']:.1f} | {r['peak_rss_gb']:.1f} | {r['last_loss']:.6f} |",
-                  flush=True)
-
+    for round_, arm, r in arms.alternate(__file__, ARMS, args.rounds, [
+            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+            "--maxlen", str(args.maxlen)]):
+        print(f"| {round_} | {arm} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['first_step_s']:.1f} | {r['peak_rss_gb']:.1f} | {r['last_loss']:.6f} |",
+              flush=True)
 
 if __name__ == "__main__":
     main()
