@@ -76,6 +76,23 @@ def resolve(name: str, platform: str) -> str:
     return {"tpu": "splash", "gpu": "dot_product"}.get(platform, "blocked")
 
 
+def implementation(name: str, platform: str, model_config: Any) -> str:
+    """What computes a model's attention on ``platform``: ``resolve``'s choice, but gemma's own
+    for Gemma 4, whose attention no kernel here reads (``presets.build_model``)."""
+    from gemmalab.model import gemma4
+
+    return "gemma" if gemma4.is_gemma4(model_config) else resolve(name, platform)
+
+
+def score_share(implementation: str, length: int) -> float:
+    """The share of a row's ``length x length`` scores that ``implementation`` computes and
+    keeps for the backward pass (splash keeps none: its callers count that apart); a causal
+    row's for "blocked", whose local layers compute fewer."""
+    if implementation != "blocked":
+        return 1.0
+    return blocked_score_share(length, BLOCK_ROWS, None)
+
+
 def kernel_for(name: str, *, platform: str, mesh: Any = None,
                soft_cap: float | None = None) -> Kernel | None:
     """The fused kernel ``name`` resolves to on ``platform``; None for gemma's own attention.

@@ -196,7 +196,7 @@ def as_array(weight: Any, after: Any = None, pinned: bool = False) -> Any:
     ``pinned`` (a weight the mesh splits): its scales and values are also read through a data
     dependency on ``after``: libtpu's optimized program keeps no barrier, and hoisted every
     layer's dequantized attention output projection of the Gemma 4 31B QLoRA step (nf4,
-    ``fsdp 8``, 8 x 1,024) to the start: 13.53 GiB a chip, 10.80 pinned (the plan: 12.04)."""
+    ``fsdp 8``, 8 x 1,024) to the start: 13.53 GiB a chip, 10.80 pinned (the plan: 12.45)."""
     if not is_quantized(weight):
         return weight
     import qwix
@@ -300,7 +300,7 @@ def dequantizing(frozen: bool = False, mesh: Any = None) -> Iterator[None]:
     Under fsdp XLA otherwise gathers a frozen weight
     whenever it likes: libtpu's compile of the Gemma 4 31B LoRA step (``fsdp 8``, 8 x 1,024)
     held some twenty layers' gathered gate|up weights at once (24.1 GiB a chip); tied, every
-    layer's attention output projection (20.0); pinned too, 15.6 (the plan: 15.0). A weight
+    layer's attention output projection (20.0); pinned too, 15.6 (the plan: 15.4). A weight
     that trains is left alone (not measured).
 
     Nested, only the innermost acts: flax runs the outermost interceptor first, and one that

@@ -276,7 +276,8 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
         "activations": _activation_bytes(
             model_config, sizes, c_size, model=config.model, trainer=config.trainer,
             maxlen=config.data.maxlen,
-            attention_impl=attention.resolve(config.model.attention, accelerator.platform)
+            attention_impl=attention.implementation(config.model.attention, accelerator.platform,
+                                                    model_config)
         ),
         "logits": _logits_bytes(config.trainer, config.data.maxlen, sizes, vocab, data_ways),
         "batch": BATCH_FIELD_COUNT
@@ -372,13 +373,6 @@ def _reference_gather_bytes(gathered: dict[str, int], c_size: int) -> int:
     return (gathered.get("embedder", 0) + 2 * max(blocks, default=0)) * c_size
 
 
-def _score_share(attention_impl: str, length: int) -> float:
-    """The share of a row's ``length x length`` scores that ``attention_impl`` computes."""
-    if attention_impl != "blocked":
-        return 1.0
-    return attention.blocked_score_share(length, attention.BLOCK_ROWS, None)
-
-
 def _activation_bytes(model_config: Any, sizes: dict[str, int], c_size: int, *,
                       model: ModelConfig, trainer: TrainerConfig, maxlen: int,
                       attention_impl: str = "gemma") -> int:
@@ -411,7 +405,7 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], c_size: int, *,
     if attention_impl == "splash":  # no scores; q, k, v and the output in heads-major layout
         block += (2 * heads * hd + 2 * kv_heads * hd) * c_size
     else:
-        block += round(heads * length * 2 * 4 * _score_share(attention_impl, length))
+        block += round(heads * length * 2 * 4 * attention.score_share(attention_impl, length))
     kept = {"none": block,
             # the weight matmuls' outputs: q, k, v, attention output, gate and up, down
             "dots": (2 * d + (heads + 2 * kv_heads) * hd + 2 * ffw) * c_size

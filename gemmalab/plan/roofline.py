@@ -185,11 +185,10 @@ def traffic_bytes(model_config: Any, sizes: dict[str, int], accelerator: Acceler
     )
     block = (2 * d + 2 * heads * hd + 2 * kv_heads * hd + 3 * ffw
              + expert_activations(model_config, sizes, model.expert_capacity_factor)) * c_size
-    impl = attention.resolve(model.attention, accelerator.platform)
+    impl = attention.implementation(model.attention, accelerator.platform, model_config)
     if impl in ("gemma", "blocked") or (impl == "dot_product" and accelerator.platform != "gpu"):
-        share = (attention.blocked_score_share(maxlen, attention.BLOCK_ROWS, None)
-                 if impl == "blocked" else 1.0)
-        block += round(heads * maxlen * 2 * 4 * share)  # float32 scores and probabilities
+        # float32 scores and probabilities
+        block += round(heads * maxlen * 2 * 4 * attention.score_share(impl, maxlen))
     kept_input = 2 * d * c_size if model.remat == "full" else 0
     activations = accum * tokens * model_config.num_layers * (2 * block + kept_input)
     vocab_shard = vocab // sizes["tensor"] if vocab % sizes["tensor"] == 0 else vocab
