@@ -297,11 +297,11 @@ def dequantizing(frozen: bool = False, mesh: Any = None) -> Iterator[None]:
     ``frozen``: the Einsums' weights do not train (a LoRA model's base): an unquantized one is
     then tied to its input too (``tied``), and one that ``mesh`` splits is also read through a
     data dependency on it (``_pinned``; a quantized one's scales and values, ``as_array``).
-    Under fsdp XLA otherwise gathers a frozen weight
-    whenever it likes: libtpu's compile of the Gemma 4 31B LoRA step (``fsdp 8``, 8 x 1,024)
-    held some twenty layers' gathered gate|up weights at once (24.1 GiB a chip); tied, every
-    layer's attention output projection (20.0); pinned too, 15.6 (the plan: 15.4). A weight
-    that trains is left alone (not measured).
+    Under fsdp XLA otherwise gathers a frozen weight whenever it likes: libtpu's compile of the
+    Gemma 4 31B LoRA step (``fsdp 8``, 8 x 1,024) held some twenty layers' gathered gate|up
+    weights at once (24.1 GiB a chip); tied, every layer's attention output projection (20.0);
+    pinned too, 15.6 (the plan: 15.4). A weight that trains is left alone (no early gathers in
+    the 31B's full fine-tuning cut to 4 and 8 layers, docs/gemma4.md).
 
     Nested, only the innermost acts: flax runs the outermost interceptor first, and one that
     computed an ``Einsum`` itself would hide the call from those inside it, such as LoRA's
