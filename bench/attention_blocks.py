@@ -78,5 +78,6 @@ def main() -> None:
         print(f"| {round_} | {arm} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | "
               f"{r['peak_rss_gb']:.1f} | {r['last_loss']:.5f} |", flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -72,5 +72,6 @@ def main() -> None:
               f"{r['first_step_s']:.1f} | {r['peak_rss_gb']:.1f} | {r['last_loss']:.6f} |",
               flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -309,6 +309,7 @@ def test_the_memory_plan_counts_no_scores_for_splash():
     kept = (model.num_layers + 1) * 32 * 512  # every layer's (no remat) and one working block
     scores = kept * model.num_heads * 512 * 2 * 4  # per token: a row of scores and of probs
     assert gemma - blocked == pytest.approx(scores * 3 / 8, abs=kept)
+
     # Gemma 4 runs gemma's own attention whatever "auto" picks (no kernel reads it).
     def gemma4(name, accelerator):
         config = TrainConfig.flat(model="gemma4-e2b", tokenizer="gemma4", maxlen=2048,
