@@ -257,6 +257,24 @@ def test_cpus_have_no_roofline():
     assert document["step_seconds"] is None and "no roofline" in document["note"]
 
 
+def test_the_plan_counts_the_loss_chunk_of_its_platform():
+    """A CPU's loss holds half an accelerator's logits a chunk (``cross_entropy.chunk_logits``):
+    the 270M's 8 x 128 batch (1,024 tokens of 262,144 logits) in two chunks of 512 tokens there,
+    in one on a v6e; the plan's logits part counts 6 bytes a logit of one chunk."""
+    from gemmalab.model import cross_entropy
+    from gemmalab.plan import roofline
+
+    config = TrainConfig.flat(model="gemma3-270m", tokenizer="gemma3", batch_size=8, maxlen=128,
+                              lora_rank=8)
+    vocab = 262_144
+    assert cross_entropy.chunk_logits("cpu") * 2 == cross_entropy.chunk_logits("tpu")
+    on_cpu = plan.estimate(config, plan.attached_accelerator()).breakdown["logits"]
+    on_tpu = plan.estimate(config, "v6e").breakdown["logits"]
+    assert (on_cpu, on_tpu) == (6 * 512 * vocab, 6 * 1024 * vocab)
+    assert [roofline.loss_chunks(config.trainer, 128, vocab, platform)
+            for platform in ("cpu", "tpu", "gpu")] == [2, 1, 1]
+
+
 @pytest.mark.parametrize(("price", "fragment"), [
     (-1, "-1 is negative"), ("2.7", "'2.7' is not a number"), (float("nan"), "nan is not"),
     (True, "True is not a number"), (float("inf"), "inf is not a number"),

@@ -14,8 +14,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gemmalab.model import sharding
 from gemmalab.model.mesh import batch_axes
 
-# Largest logits block the loss materialises (elements): 1 GiB in fp32.
+# Largest logits block the loss materialises (elements): 1 GiB in fp32 on accelerators.
 LOSS_CHUNK_LOGITS = 1 << 28
+# On CPUs half that: a step's temporaries live in one block, and the logits' share kept it above
+# the 2 GiB up to which mimalloc's arenas keep freed blocks (the 270M's LoRA step at 8 x 128:
+# 2.47 GiB, mapped afresh and faulted in every step; 1.72 GiB at half the chunk).
+# bench/loss_chunk.py; docs/benchmarks/arena-bound.md.
+CPU_LOSS_CHUNK_LOGITS = 1 << 27
 LOSS_SCOPE = "cross_entropy"  # jax.named_scope of the loss's ops (their HLO op_name)
 # Full fine-tuning's embedding gradient formed in the chunked loss's forward pass where it can be
 # (``_fused_forward``): one [tokens, V] product a chunk fewer than recomputing the logits
@@ -55,6 +60,11 @@ def _token_nll_backward(residuals: tuple[jax.Array, jax.Array, jax.Array], cotan
 
 
 token_nll.defvjp(_token_nll_forward, _token_nll_backward)
+
+
+def chunk_logits(platform: str) -> int:
+    """The most logits one chunk of the loss holds on ``platform`` ("cpu", "gpu", "tpu")."""
+    return CPU_LOSS_CHUNK_LOGITS if platform == "cpu" else LOSS_CHUNK_LOGITS
 
 
 def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array

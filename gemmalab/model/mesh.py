@@ -54,6 +54,12 @@ def _slices(devices: list[Any], num_slices: int) -> list[list[Any]]:
     return [devices[i * per_slice:(i + 1) * per_slice] for i in range(num_slices)]
 
 
+def platform(mesh: Mesh | None) -> str:
+    """The platform ("cpu", "gpu", "tpu") of ``mesh``'s devices; None: the default backend's
+    (an ahead-of-time compile's mesh holds its target's devices, not this host's)."""
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
     return {axis: int(mesh.shape[axis]) for axis in mesh.axis_names}
 

@@ -16,6 +16,7 @@ from gemmalab.config import PRESET_NAMES, REMAT_POLICIES, TINY_PRESETS
 from gemmalab.errors import ConfigError
 from gemmalab.model import attention as attention_lib
 from gemmalab.model import gemma4
+from gemmalab.model import mesh as mesh_lib
 
 if TYPE_CHECKING:
     from gemma import gm
@@ -182,10 +183,7 @@ def attention_kernel(attention: str, config: gm.nn.config.TransformerConfig, mes
                      ) -> attention_lib.Kernel | None:
     """The fused attention kernel ``attention`` means for the devices of ``mesh`` (default: the
     default backend's); None: gemma's own attention."""
-    import jax
-
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    return attention_lib.kernel_for(attention, platform=platform, mesh=mesh,
+    return attention_lib.kernel_for(attention, platform=mesh_lib.platform(mesh), mesh=mesh,
                                     soft_cap=config.attn_logits_soft_cap)
 
 

@@ -279,7 +279,8 @@ def estimate(config: TrainConfig, accelerator: Accelerator | str, *,
             attention_impl=attention.implementation(config.model.attention, accelerator.platform,
                                                     model_config)
         ),
-        "logits": _logits_bytes(config.trainer, config.data.maxlen, sizes, vocab, data_ways),
+        "logits": _logits_bytes(config.trainer, config.data.maxlen, sizes, vocab, data_ways,
+                                accelerator.platform),
         "batch": BATCH_FIELD_COUNT
         * 4
         * config.trainer.batch_size
@@ -420,13 +421,13 @@ def _activation_bytes(model_config: Any, sizes: dict[str, int], c_size: int, *,
 
 
 def _logits_bytes(trainer: TrainerConfig, maxlen: int, sizes: dict[str, int], vocab: int,
-                  data_ways: int) -> int:
-    """The loss's logits chunk: float32 values and half as much again for the softmax and its
-    gradient (as compiled, docs/scaling.md)."""
-    from gemmalab.model.cross_entropy import LOSS_CHUNK_LOGITS
+                  data_ways: int, platform: str) -> int:
+    """The loss's logits chunk on ``platform``: float32 values and half as much again for the
+    softmax and its gradient (as compiled, docs/scaling.md)."""
+    from gemmalab.model.cross_entropy import chunk_logits
 
     tokens = trainer.batch_size // trainer.grad_accum_steps * maxlen
-    chunk = max(1, min(tokens, LOSS_CHUNK_LOGITS // vocab))
+    chunk = max(1, min(tokens, chunk_logits(platform) // vocab))
     vocab_shard = vocab // sizes["tensor"] if vocab % sizes["tensor"] == 0 else vocab
     return 6 * -(-chunk // data_ways) * vocab_shard
 

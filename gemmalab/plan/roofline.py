@@ -166,7 +166,7 @@ def traffic_bytes(model_config: Any, sizes: dict[str, int], accelerator: Acceler
 
     accum = trainer.grad_accum_steps
     passes = 2 + (model.remat != "none")
-    chunks = loss_chunks(trainer, maxlen, vocab)
+    chunks = loss_chunks(trainer, maxlen, vocab, accelerator.platform)
     embedding = used.get("embedder", 0)
     blocks = sum(n for module, n in used.items() if module != "embedder")
     cast = 0 if lora or p_size == c_size else sum(shards.values()) * (p_size + c_size)
@@ -203,15 +203,11 @@ def traffic_bytes(model_config: Any, sizes: dict[str, int], accelerator: Acceler
     return traffic
 
 
-def loss_chunks(trainer: TrainerConfig, maxlen: int, vocab: int) -> int:
-    """How many logits chunks the loss of one micro-batch runs in (``chunked_cross_entropy``);
-    1: the whole micro-batch's logits at once, kept for the backward pass."""
-    from gemmalab.model.cross_entropy import LOSS_CHUNK_LOGITS
+def loss_chunks(trainer: TrainerConfig, maxlen: int, vocab: int, platform: str) -> int:
+    """How many logits chunks the loss of one micro-batch runs in on ``platform``
+    (``chunked_cross_entropy``); 1: the whole micro-batch's logits at once."""
+    from gemmalab.model.cross_entropy import chunk_logits
 
-    span = max(
-        1,
-        LOSS_CHUNK_LOGITS
-        // vocab
-        // (trainer.batch_size // trainer.grad_accum_steps),
-    )
+    span = max(1, chunk_logits(platform) // vocab // (trainer.batch_size
+                                                      // trainer.grad_accum_steps))
     return 1 if span >= maxlen else -(-maxlen // span)

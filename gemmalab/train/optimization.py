@@ -36,6 +36,7 @@ from gemmalab.model import (
     quantization,
     sharding,
 )
+from gemmalab.model import mesh as mesh_lib
 from gemmalab.model.mesh import batch_sharding, global_batch, replicated
 
 OPTIMIZER_SCOPE = "optimizer"  # jax.named_scope of the update's ops (their HLO op_name)
@@ -151,8 +152,9 @@ def forward_loss(model: Any, params: Any, batch: dict[str, jax.Array], compute_d
                                                        frozen)
     total, count = cross_entropy.chunked_cross_entropy(
         hidden, head, batch["targets"], batch["loss_mask"] > 0,
-        softcap=model.config.final_logit_softcap, max_logits=cross_entropy.LOSS_CHUNK_LOGITS,
-        mesh=mesh, row_updates=row_updates)
+        softcap=model.config.final_logit_softcap,
+        max_logits=cross_entropy.chunk_logits(mesh_lib.platform(mesh)), mesh=mesh,
+        row_updates=row_updates)
     return total, count, router
 
 
@@ -166,7 +168,8 @@ def segment_logps(model: Any, params: Any, batch: dict[str, jax.Array], compute_
     nll, counts = cross_entropy.chunked_segment_nll(
         hidden, head, batch["targets"], batch["loss_mask"] > 0, batch["segment_ids"],
         num_segments=num_segments, softcap=model.config.final_logit_softcap,
-        max_logits=cross_entropy.LOSS_CHUNK_LOGITS, mesh=mesh, row_updates=row_updates)
+        max_logits=cross_entropy.chunk_logits(mesh_lib.platform(mesh)), mesh=mesh,
+        row_updates=row_updates)
     return -nll, counts, router
 
 

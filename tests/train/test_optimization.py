@@ -326,7 +326,7 @@ def test_the_loss_under_fsdp_gathers_the_embedding_and_keeps_its_numbers():
 
 
 @pytest.mark.slow
-def test_the_loss_never_holds_all_logits():
+def test_the_loss_never_holds_all_logits(monkeypatch):
     """Chunking saves at least one fp32 copy of the batch's logits in the compiled step."""
     vocab, rows, maxlen = 32_768, 8, 256
     config = presets.model_config("gemma3-tiny", vocab)
@@ -349,12 +349,8 @@ def test_the_loss_never_holds_all_logits():
         return jax.jit(jax.grad(loss)).lower(params, batch).compile().memory_analysis(
         ).temp_size_in_bytes
 
-    default = cross_entropy.LOSS_CHUNK_LOGITS
-    try:
-        cross_entropy.LOSS_CHUNK_LOGITS = 256 * vocab  # 8 chunks of 256 tokens
-        saved = temp_bytes(full) - temp_bytes(chunked)
-    finally:
-        cross_entropy.LOSS_CHUNK_LOGITS = default
+    monkeypatch.setattr(cross_entropy, "CPU_LOSS_CHUNK_LOGITS", 256 * vocab)  # 8 chunks of 256
+    saved = temp_bytes(full) - temp_bytes(chunked)
     assert saved > rows * maxlen * vocab * 4
 
 

@@ -1,0 +1,76 @@
+"""The loss's chunk on CPUs: 2^28 logits (what accelerators use) against 2^27 (the CPU default),
+on the embedded Gemma 3 270M's LoRA training loop, each arm in its own process on the training
+processes' allocator, rounds alternating.
+
+    .venv/bin/python bench/loss_chunk.py --maxlen 128 --rounds 2 --steps 6
+
+XLA's CPU runtime puts a step's temporaries in one block, allocated as the step starts and freed
+as it ends. mimalloc's arenas keep freed blocks up to 2 GiB; the 270M's LoRA step at 8 x 128
+with 2^28 logits a chunk needs 2.47 GiB, which mimalloc takes from the OS and hands back every
+step, so each step faults all of it in again (docs/benchmarks/arena-bound.md). Reported per
+process: the median and the mean step (the first, which compiles, left out), useful tokens/s
+over the timed steps, peak RSS, the process's system CPU seconds (startup included), and the
+last step's loss (the chunks sum in another order: equal to float32 rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import tempfile
+
+import arms
+from attention_blocks import arm_environment
+
+ARMS = ("2^28", "2^27")
+
+
+def run_one(arm: str, steps: int, batch: int, maxlen: int) -> dict:
+    from gemmalab.config import TrainConfig
+    from gemmalab.model import cross_entropy
+    from gemmalab.train.experiment import Experiment
+
+    cross_entropy.CPU_LOSS_CHUNK_LOGITS = 1 << int(arm.split("^")[1])  # before the step traces
+    with tempfile.TemporaryDirectory() as output_dir:
+        experiment = Experiment.prepare(TrainConfig.flat(
+            checkpoint="embedded:gemma3-270m", lora_rank=8, batch_size=batch, maxlen=maxlen,
+            max_steps=steps + 1, eval_every=0, checkpoint_every=0, max_eval_stories=8, seed=0,
+            output_dir=output_dir))
+        experiment.train(progress=False)
+    timed = experiment.history[1:]
+    times = [row["step_time_s"] for row in timed]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"arm": arm, "step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
+            "useful_tokens_per_s": sum(row["useful_tokens"] for row in timed) / sum(times),
+            "peak_rss_gb": usage.ru_maxrss / 2**20, "last_loss": experiment.history[-1]["loss"],
+            "summary_system_s": usage.ru_stime}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--maxlen", type=int, default=128)
+    args = parser.parse_args()
+    if args.one:
+        result = run_one(args.one, args.steps, args.batch_size, args.maxlen)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    print(f"batch {args.batch_size} x {args.maxlen}\n"
+          "| round | logits a chunk | median s / step | mean s / step | useful tokens/s | "
+          "peak RSS GB | process system s | last loss |\n|---|---|---|---|---|---|---|---|",
+          flush=True)
+    for round_, arm, r in arms.alternate(__file__, ARMS, args.rounds, [
+            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+            "--maxlen", str(args.maxlen)], env=arm_environment()):
+        print(f"| {round_} | {arm} | {r['step_s']:.2f} | {r['mean_step_s']:.2f} | "
+              f"{r['useful_tokens_per_s']:,.0f} | {r['peak_rss_gb']:.1f} | "
+              f"{r['summary_system_s']:.1f} | {r['last_loss']:.5f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
