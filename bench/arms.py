@@ -4,10 +4,11 @@ and prints one ``RESULT {json}`` line."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 
 def alternate(script: str, arms: Sequence[str], rounds: int, args: Sequence[str],
@@ -21,3 +22,31 @@ def alternate(script: str, arms: Sequence[str], rounds: int, args: Sequence[str]
             if line is None:
                 raise SystemExit(f"{arm} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
             yield round_, arm, json.loads(line[len("RESULT "):])
+
+
+def arguments(description: str, arm_names: Sequence[str], *, steps: int, maxlen: int
+              ) -> argparse.Namespace:
+    """The benches' shared options: rounds, steps, batch and maxlen (``--one``: a child's arm)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--one", choices=arm_names, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--maxlen", type=int, default=maxlen)
+    return parser.parse_args()
+
+
+def answered_one(args: argparse.Namespace, run_one: Callable[[str, int, int, int], dict]
+                 ) -> bool:
+    """In a ``--one ARM`` child: run that arm and print its ``RESULT`` line (True); else False."""
+    if not args.one:
+        return False
+    result = run_one(args.one, args.steps, args.batch_size, args.maxlen)
+    print("RESULT " + json.dumps(result), flush=True)
+    return True
+
+
+def child_args(args: argparse.Namespace) -> list[str]:
+    """What each arm's process is given: ``arguments``' steps, batch and maxlen."""
+    return ["--steps", str(args.steps), "--batch-size", str(args.batch_size),
+            "--maxlen", str(args.maxlen)]

@@ -15,8 +15,6 @@ another order: equal to bf16 rounding, not bit for bit).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import resource
 import statistics
@@ -57,23 +55,14 @@ def arm_environment() -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--one", choices=ARMS, help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--maxlen", type=int, default=512)
-    args = parser.parse_args()
-    if args.one:
-        result = run_one(args.one, args.steps, args.batch_size, args.maxlen)
-        print("RESULT " + json.dumps(result), flush=True)
+    args = arms.arguments(__doc__.splitlines()[0], ARMS, steps=4, maxlen=512)
+    if arms.answered_one(args, run_one):
         return
     print(f"batch {args.batch_size} x {args.maxlen}\n"
           "| round | arm | s / step | tokens/s | cpu_mfu | peak RSS GB | last loss |\n"
           "|---|---|---|---|---|---|---|", flush=True)
-    for round_, arm, r in arms.alternate(__file__, ARMS, args.rounds, [
-            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-            "--maxlen", str(args.maxlen)], env=arm_environment()):
+    for round_, arm, r in arms.alternate(__file__, ARMS, args.rounds, arms.child_args(args),
+                                         env=arm_environment()):
         mfu = "-" if r["cpu_mfu"] is None else f"{r['cpu_mfu']:.2f}"
         print(f"| {round_} | {arm} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | "
               f"{r['peak_rss_gb']:.1f} | {r['last_loss']:.5f} |", flush=True)

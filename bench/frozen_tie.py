@@ -16,8 +16,6 @@ peak RSS, and the losses of the last step (the barrier reorders, it does not cha
 
 from __future__ import annotations
 
-import argparse
-import json
 import resource
 import statistics
 import tempfile
@@ -52,22 +50,12 @@ def run_one(arm: str, steps: int, batch: int, maxlen: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--one", choices=ARMS, help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--maxlen", type=int, default=128)
-    args = parser.parse_args()
-    if args.one:
-        result = run_one(args.one, args.steps, args.batch_size, args.maxlen)
-        print("RESULT " + json.dumps(result), flush=True)
+    args = arms.arguments(__doc__.splitlines()[0], ARMS, steps=8, maxlen=128)
+    if arms.answered_one(args, run_one):
         return
     print("| round | arm | s / step | tokens/s | first step s | peak RSS GB | last loss |\n"
           "|---|---|---|---|---|---|---|", flush=True)
-    for round_, arm, r in arms.alternate(__file__, ARMS, args.rounds, [
-            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-            "--maxlen", str(args.maxlen)]):
+    for round_, arm, r in arms.alternate(__file__, ARMS, args.rounds, arms.child_args(args)):
         print(f"| {round_} | {arm} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
               f"{r['first_step_s']:.1f} | {r['peak_rss_gb']:.1f} | {r['last_loss']:.6f} |",
               flush=True)

@@ -15,8 +15,6 @@ last step's loss (the chunks sum in another order: equal to float32 rounding).
 
 from __future__ import annotations
 
-import argparse
-import json
 import resource
 import statistics
 import tempfile
@@ -49,24 +47,15 @@ def run_one(arm: str, steps: int, batch: int, maxlen: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--one", choices=ARMS, help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--maxlen", type=int, default=128)
-    args = parser.parse_args()
-    if args.one:
-        result = run_one(args.one, args.steps, args.batch_size, args.maxlen)
-        print("RESULT " + json.dumps(result), flush=True)
+    args = arms.arguments(__doc__.splitlines()[0], ARMS, steps=6, maxlen=128)
+    if arms.answered_one(args, run_one):
         return
     print(f"batch {args.batch_size} x {args.maxlen}\n"
           "| round | logits a chunk | median s / step | mean s / step | useful tokens/s | "
           "peak RSS GB | process system s | last loss |\n|---|---|---|---|---|---|---|---|",
           flush=True)
-    for round_, arm, r in arms.alternate(__file__, ARMS, args.rounds, [
-            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-            "--maxlen", str(args.maxlen)], env=arm_environment()):
+    for round_, arm, r in arms.alternate(__file__, ARMS, args.rounds, arms.child_args(args),
+                                         env=arm_environment()):
         print(f"| {round_} | {arm} | {r['step_s']:.2f} | {r['mean_step_s']:.2f} | "
               f"{r['useful_tokens_per_s']:,.0f} | {r['peak_rss_gb']:.1f} | "
               f"{r['summary_system_s']:.1f} | {r['last_loss']:.5f} |", flush=True)

@@ -265,10 +265,11 @@ def test_the_plan_counts_the_loss_chunk_of_its_platform():
     from gemmalab.plan import roofline
 
     config = TrainConfig.flat(model="gemma3-270m", tokenizer="gemma3", batch_size=8, maxlen=128,
-                              lora_rank=8)
+                              lora_rank=8, mesh={"data": 1})
     vocab = 262_144
     assert cross_entropy.chunk_logits("cpu") * 2 == cross_entropy.chunk_logits("tpu")
-    on_cpu = plan.estimate(config, plan.attached_accelerator()).breakdown["logits"]
+    cpu = accelerators.Accelerator("cpu", 1, 24 << 30, None)
+    on_cpu = plan.estimate(config, cpu).breakdown["logits"]
     on_tpu = plan.estimate(config, "v6e").breakdown["logits"]
     assert (on_cpu, on_tpu) == (6 * 512 * vocab, 6 * 1024 * vocab)
     assert [roofline.loss_chunks(config.trainer, 128, vocab, platform)
