@@ -43,7 +43,7 @@ def run_one(arm: str, steps: int, batch: int, maxlen: int) -> dict:
     return {"arm": arm, "step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
             "useful_tokens_per_s": sum(row["useful_tokens"] for row in timed) / sum(times),
             "peak_rss_gb": usage.ru_maxrss / 2**20, "last_loss": experiment.history[-1]["loss"],
-            "summary_system_s": usage.ru_stime}
+            "process_system_s": usage.ru_stime}
 
 
 def main() -> None:
@@ -58,7 +58,7 @@ def main() -> None:
                                          env=arm_environment()):
         print(f"| {round_} | {arm} | {r['step_s']:.2f} | {r['mean_step_s']:.2f} | "
               f"{r['useful_tokens_per_s']:,.0f} | {r['peak_rss_gb']:.1f} | "
-              f"{r['summary_system_s']:.1f} | {r['last_loss']:.5f} |", flush=True)
+              f"{r['process_system_s']:.1f} | {r['last_loss']:.5f} |", flush=True)
 
 
 if __name__ == "__main__":
