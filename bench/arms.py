@@ -12,12 +12,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 
 def alternate(script: str, arms: Sequence[str], rounds: int, args: Sequence[str],
-              env: Mapping[str, str] | None = None) -> Iterator[tuple[int, str, dict]]:
-    """``(round, arm, result)`` of ``script --one ARM *args`` for each round (from 1) and arm."""
+              env: Mapping[str, str] | Callable[[str], Mapping[str, str]] | None = None
+              ) -> Iterator[tuple[int, str, dict]]:
+    """``(round, arm, result)`` of ``script --one ARM *args`` for each round (from 1) and arm;
+    ``env``: every arm's environment, or a function of the arm (what a process must have as it
+    starts, e.g. its malloc's options)."""
     for round_ in range(1, rounds + 1):
         for arm in arms if round_ % 2 else arms[::-1]:
             done = subprocess.run([sys.executable, script, "--one", arm, *args],
-                                  capture_output=True, text=True, check=False, env=env)
+                                  capture_output=True, text=True, check=False,
+                                  env=env(arm) if callable(env) else env)
             line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 raise SystemExit(f"{arm} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
@@ -50,3 +54,31 @@ def child_args(args: argparse.Namespace) -> list[str]:
     """What each arm's process is given: ``arguments``' steps, batch and maxlen."""
     return ["--steps", str(args.steps), "--batch-size", str(args.batch_size),
             "--maxlen", str(args.maxlen)]
+
+
+def lora_loop(steps: int, batch: int, maxlen: int) -> dict:
+    """The embedded Gemma 3 270M's LoRA r8 training loop (``Experiment.train``, its evaluations
+    included) for ``steps`` timed steps after one that compiles, in this process: the median and
+    mean step, each step's seconds, useful tokens/s over the timed steps, the process's peak RSS
+    and system seconds (startup included), and the last step's loss."""
+    import resource
+    import statistics
+    import tempfile
+
+    from gemmalab.config import TrainConfig
+    from gemmalab.train.experiment import Experiment
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        experiment = Experiment.prepare(TrainConfig.flat(
+            checkpoint="embedded:gemma3-270m", lora_rank=8, batch_size=batch, maxlen=maxlen,
+            max_steps=steps + 1, eval_every=0, checkpoint_every=0, max_eval_stories=8, seed=0,
+            output_dir=output_dir))
+        experiment.train(progress=False)
+    timed = experiment.history[1:]
+    times = [row["step_time_s"] for row in timed]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
+            "step_seconds": times,
+            "useful_tokens_per_s": sum(row["useful_tokens"] for row in timed) / sum(times),
+            "peak_rss_gb": usage.ru_maxrss / 2**20, "last_loss": experiment.history[-1]["loss"],
+            "process_system_s": usage.ru_stime}

@@ -15,10 +15,6 @@ last step's loss (the chunks sum in another order: equal to float32 rounding).
 
 from __future__ import annotations
 
-import resource
-import statistics
-import tempfile
-
 import arms
 from attention_blocks import arm_environment
 
@@ -26,24 +22,10 @@ ARMS = ("2^28", "2^27")
 
 
 def run_one(arm: str, steps: int, batch: int, maxlen: int) -> dict:
-    from gemmalab.config import TrainConfig
     from gemmalab.model import cross_entropy
-    from gemmalab.train.experiment import Experiment
 
     cross_entropy.CPU_LOSS_CHUNK_LOGITS = 1 << int(arm.split("^")[1])  # before the step traces
-    with tempfile.TemporaryDirectory() as output_dir:
-        experiment = Experiment.prepare(TrainConfig.flat(
-            checkpoint="embedded:gemma3-270m", lora_rank=8, batch_size=batch, maxlen=maxlen,
-            max_steps=steps + 1, eval_every=0, checkpoint_every=0, max_eval_stories=8, seed=0,
-            output_dir=output_dir))
-        experiment.train(progress=False)
-    timed = experiment.history[1:]
-    times = [row["step_time_s"] for row in timed]
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {"arm": arm, "step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
-            "useful_tokens_per_s": sum(row["useful_tokens"] for row in timed) / sum(times),
-            "peak_rss_gb": usage.ru_maxrss / 2**20, "last_loss": experiment.history[-1]["loss"],
-            "process_system_s": usage.ru_stime}
+    return {"arm": arm, **arms.lora_loop(steps, batch, maxlen)}
 
 
 def main() -> None:

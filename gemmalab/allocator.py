@@ -43,6 +43,11 @@ LIBRARY = "cmeel.prefix/lib/libmimalloc.so.3"  # where the wheel puts it, from s
 OPTIONS = {
     "MIMALLOC_PURGE_DELAY": "-1",  # never hand freed memory back: the next step reuses it
     "MIMALLOC_ALLOW_LARGE_OS_PAGES": "1",  # 2 MiB pages (transparent huge pages)
+    # One arena (mimalloc's largest; address space only, pages are touched as used) instead of
+    # 1 GiB ones: each thread searches the arenas from its own start, so a step's block, freed
+    # and allocated again by another thread, could land in a fresh arena and fault it in. In
+    # one, blocks are placed first-fit (docs/benchmarks/arena-reserve.md).
+    "MIMALLOC_ARENA_RESERVE": "16GiB",
 }
 CHOICE = "GEMMALAB_MALLOC"  # "auto" (default), "mimalloc" or "system"
 CHOICES = ("auto", "mimalloc", "system")

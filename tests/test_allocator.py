@@ -75,7 +75,8 @@ def test_environment_preloads_mimalloc_with_its_options_and_keeps_what_is_set():
     mine = {**chosen, "LD_PRELOAD": "/opt/libother.so", "MIMALLOC_PURGE_DELAY": "0",
             "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
     assert allocator.environment(mine) == {"LD_PRELOAD": f"{library}:/opt/libother.so",
-                                           "MIMALLOC_ALLOW_LARGE_OS_PAGES": "1"}
+                                           "MIMALLOC_ALLOW_LARGE_OS_PAGES": "1",
+                                           "MIMALLOC_ARENA_RESERVE": "16GiB"}
     assert allocator.environment({**chosen, "LD_PRELOAD": library}) == {
         "GLIBC_TUNABLES": allocator.HUGE_PAGES, **allocator.OPTIONS}
 

@@ -339,6 +339,7 @@ class Experiment:
             flops_per_step=self.flops.model_flops_per_step,
             peak_flops_per_s=self.flops.peak_flops_per_s,
             host_peak_flops_per_s=self.flops.host_peak_flops_per_s,
+            wait_for_each_step=mesh.platform(self.mesh) == "cpu",
         )
         self.history, self.eval_history = log.history, log.eval_history
         train_step = self.compile()  # now, before the clock of the first step starts

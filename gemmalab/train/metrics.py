@@ -96,8 +96,12 @@ class StepLog:
     A step's metrics are read one step late (``step`` settles the previous one while the new one
     runs), so the device never waits for the host; a ``durable`` step (one a checkpoint is
     about to claim) is read and flushed at once, and an evaluation or ``close`` reads the last
-    one first, so the rows stay in step order. ``nonfinite`` builds the error raised for a
-    non-finite loss or gradient norm in a step that was not skipped.
+    one first, so the rows stay in step order. ``wait_for_each_step`` reads every step at once,
+    so the next is dispatched only when this one has ended: on a CPU, where the host and the
+    device share the cores and running ahead gains nothing, the next step's temporaries then
+    take the place the last one's freed, not a second one (docs/benchmarks/arena-reserve.md).
+    ``nonfinite`` builds the error raised for a non-finite loss or gradient norm in a step that
+    was not skipped.
 
     Each step's record carries its wall-clock ``time``, and with ``flops_per_step`` (the model's
     FLOPs) the achieved ``model_flops_per_s``; with the devices' ``peak_flops_per_s`` its MFU,
@@ -108,7 +112,7 @@ class StepLog:
                  steps_per_epoch: int, tokens_per_step: int, log_every: int, show: bool,
                  nonfinite: Callable[[int, dict[str, float]], Exception],
                  flops_per_step: float | None = None, peak_flops_per_s: float | None = None,
-                 host_peak_flops_per_s: float | None = None):
+                 host_peak_flops_per_s: float | None = None, wait_for_each_step: bool = False):
         from tqdm.auto import tqdm
 
         self.sink = sink
@@ -118,6 +122,7 @@ class StepLog:
         self._log_every, self._nonfinite = log_every, nonfinite
         self._flops, self._peak = flops_per_step, peak_flops_per_s
         self._host_peak = host_peak_flops_per_s
+        self._wait_for_each_step = wait_for_each_step
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                          disable=not show)
         self._pending: tuple | None = None
@@ -130,8 +135,9 @@ class StepLog:
         """Record a step; ``durable``: its row is written and flushed before this returns."""
         self.settle()
         self._pending = (step, metrics, data_wait, batch_digest)
-        if durable:
+        if durable or self._wait_for_each_step:
             self.settle()
+        if durable:
             self.sink.flush()
 
     def settle(self) -> None:

@@ -82,3 +82,21 @@ def test_a_step_followed_by_an_evaluation_is_timed_without_it(tmp_path):
     assert log.steps_ended < started + 0.25
     assert log.eval_history == [{"step": 1, "eval_loss": 1.0, "eval_perplexity": 2.7}]
     log.close()
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_a_step_is_read_one_step_late_unless_the_loop_waits_for_each(tmp_path, wait):
+    """On an accelerator the next step is dispatched before this one is read; on a CPU the loop
+    waits for each step (``wait_for_each_step``), so its row is written as ``step`` returns."""
+    sink = metrics.MetricsSink(str(tmp_path), enabled=True)
+    log = metrics.StepLog(sink, total_steps=2, start_step=0, steps_per_epoch=2,
+                          tokens_per_step=1024, log_every=1, show=False, nonfinite=never_called,
+                          wait_for_each_step=wait)
+    values = {"loss": np.float32(2.0), "grad_norm": np.float32(0.5),
+              "useful_tokens": np.float32(1000.0)}
+    log.step(1, values, data_wait=0.0, batch_digest=7)
+    assert [r["step"] for r in log.history] == ([1] if wait else [])
+    log.step(2, values, data_wait=0.0, batch_digest=8)
+    assert [r["step"] for r in log.history] == ([1, 2] if wait else [1])
+    log.close()
+    assert [r["step"] for r in log.history] == [1, 2]
