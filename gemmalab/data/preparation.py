@@ -35,40 +35,45 @@ class PreparedData:
 
 
 def prepare_data(config: TrainConfig) -> PreparedData:
-    """Validate the data and tokenizer parameters, then load or build the token cache.
+    """Validate the data and tokenizer parameters, then load or build the token cache: the data
+    stage's entry for a whole (resolved) config, as data_prep.ipynb hands it over.
 
     A second call with the same data parameters (e.g. data_prep.ipynb then train.ipynb) reuses
     the cached tokenizer and tokens.
     """
     config.require_resolved("prepare_data")
-    presets.check_num_layers(
-        config.model.preset, config.model.num_layers
-    )  # before the tokenizer's work
-    cache_dir = config.runtime.resolved_cache_dir
+    return prepare_tokens(config.data, config.model, cache_dir=config.runtime.resolved_cache_dir,
+                          seed=config.trainer.seed,
+                          preferences=config.trainer.objective == "dpo")
+
+
+def prepare_tokens(data: DataConfig, model: ModelConfig, *, cache_dir: Path, seed: int,
+                   preferences: bool) -> PreparedData:
+    """``prepare_data`` from the groups it reads (``model`` resolved: its preset and depth
+    decided): the corpus of ``data.path`` (preference pairs for DPO), the tokenizer, and the
+    token cache under ``cache_dir``."""
+    presets.check_num_layers(model.preset, model.num_layers)  # before the tokenizer's work
     storage.require_writable_directory("cache_dir", cache_dir)
     corpus = documents.resolve_corpus(
-        config.data.path,
+        data.path,
         cache_dir=cache_dir,
-        embedded_stories=config.data.embedded_stories,
-        seed=config.trainer.seed,
-        skip_bad_records=config.data.skip_bad_records,
-        preferences=config.trainer.objective == "dpo",
+        embedded_stories=data.embedded_stories,
+        seed=seed,
+        skip_bad_records=data.skip_bad_records,
+        preferences=preferences,
     )
-    rule = SplitRule(config.data.eval_fraction, config.data.max_eval_stories,
+    rule = SplitRule(data.eval_fraction, data.max_eval_stories,
                      jax.process_index(), jax.process_count())
-    tokenizer, info = _load_tokenizer_everywhere(config.model, corpus, rule,
-                                                 datacount=config.data.datacount,
+    tokenizer, info = _load_tokenizer_everywhere(model, corpus, rule, datacount=data.datacount,
                                                  cache_dir=cache_dir)
-    model_config = presets.model_config(
-        config.model.preset, info.vocab_size, config.model.num_layers
-    )
+    model_config = presets.model_config(model.preset, info.vocab_size, model.num_layers)
     if info.vocab_size > model_config.num_embed:
         raise ConfigError("tokenizer", f"its vocabulary ({info.vocab_size}) is larger than "
-                          f"{config.model.preset}'s embedding ({model_config.num_embed})",
+                          f"{model.preset}'s embedding ({model_config.num_embed})",
                           "use the model's own tokenizer ('gemma3') or model='gemma3-tiny'")
     cache = token_cache.load_or_build_token_cache(
-        corpus, info, rule=rule, datacount=config.data.datacount, cache_dir=cache_dir,
-        workers=config.data.tokenize_workers, train_on_prompt=config.data.train_on_prompt)
+        corpus, info, rule=rule, datacount=data.datacount, cache_dir=cache_dir,
+        workers=data.tokenize_workers, train_on_prompt=data.train_on_prompt)
     _require_held_out_documents(cache.meta, rule)
     return PreparedData(corpus=corpus, tokenizer=tokenizer, tokenizer_info=info, cache=cache,
                         model_config=model_config)

@@ -33,7 +33,7 @@ from gemmalab.config import DPOConfig, TrainConfig
 from gemmalab.data import chat as chat_template
 from gemmalab.data import packing
 from gemmalab.data.documents import CONVERSATIONAL
-from gemmalab.data.preparation import PreparedData, TrainingData, prepare_data, training_data
+from gemmalab.data.preparation import PreparedData, TrainingData, prepare_tokens, training_data
 from gemmalab.data_parallel import check_expert_axis
 from gemmalab.errors import ConfigError, TrainingDiverged
 from gemmalab.model import lora, mesh, presets, quantization, sampling
@@ -141,7 +141,10 @@ class Experiment:
         host_rate = host_peak.of_run(devices, config.model.compute_dtype)
         startup.phase("host_peak")
 
-        prepared = prepare_data(config)
+        prepared = prepare_tokens(config.data, config.model,
+                                  cache_dir=config.runtime.resolved_cache_dir,
+                                  seed=config.trainer.seed,
+                                  preferences=config.trainer.objective == "dpo")
         data = training_data(prepared, config.data, config.trainer)
         startup.phase("data")
 
