@@ -25,8 +25,8 @@ ARMS = ("arenas-1GiB-ahead", "arenas-1GiB-waited", "arena-16GiB-ahead", "arena-1
 
 
 def environment(arm: str) -> dict[str, str]:
-    """The training processes' allocator environment; the first arm with mimalloc's own arena
-    size (1 GiB) in place of the one gemmalab sets."""
+    """The training processes' allocator environment; the ``arenas-1GiB`` arms with mimalloc's
+    own arena size in place of the one gemmalab sets."""
     env = arm_environment()
     if arm.startswith("arenas-1GiB"):
         env["MIMALLOC_ARENA_RESERVE"] = "1GiB"

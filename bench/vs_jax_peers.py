@@ -240,6 +240,9 @@ def run_tunix(job: dict) -> dict:
     batch, maxlen = job["batch"], job["maxlen"]
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     config = gemma3_model.ModelConfig.gemma3_270m()
+    # What a user turns on to fit longer rows: tunix recomputes each block (or each decoder
+    # layer) in the backward pass instead of keeping its activations.
+    config.remat_config = gemma3_model.RematConfig[job["remat"].upper()]
     base = params_safetensors.create_model_from_safe_tensors(job["hf"], config, mesh,
                                                              dtype=jnp.bfloat16)
     provider = qwix.LoraProvider(
@@ -427,7 +430,7 @@ def run_kit(args: argparse.Namespace, kit: str, corpus_name: str, maxlen: int) -
            "train_text": str(args.out / f"{corpus_name}.txt"),
            "documents": str(args.out / f"{corpus_name}.json"), "batch": args.batch_size,
            "maxlen": maxlen, "budget": args.steps * args.batch_size * maxlen,
-           "place": not args.tunix_unplaced}
+           "place": not args.tunix_unplaced, "remat": args.tunix_remat}
     path = args.out / "job.json"
     path.write_text(json.dumps(job))
     done = subprocess.run([kit_python(kit), __file__, "--one", str(path)], capture_output=True,
@@ -481,6 +484,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tunix-unplaced", action="store_true",
                         help="tunix as shipped: the model and optimizer not placed on the mesh")
+    parser.add_argument("--tunix-remat", choices=["none", "block", "decoder"], default="none",
+                        help="tunix's activation recompute (its ModelConfig.remat_config), which "
+                             "a user turns on when a batch does not fit")
     args = parser.parse_args()
     if args.one:
         return one(args.one)
