@@ -42,25 +42,24 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     the cached tokenizer and tokens.
     """
     config.require_resolved("prepare_data")
-    return prepare_tokens(config.data, config.model, cache_dir=config.runtime.resolved_cache_dir,
-                          seed=config.trainer.seed,
-                          preferences=config.trainer.objective == "dpo")
+    return prepare_tokens(config.data, config.model, config.trainer,
+                          cache_dir=config.runtime.resolved_cache_dir)
 
 
-def prepare_tokens(data: DataConfig, model: ModelConfig, *, cache_dir: Path, seed: int,
-                   preferences: bool) -> PreparedData:
+def prepare_tokens(data: DataConfig, model: ModelConfig, trainer: TrainerConfig, *,
+                   cache_dir: Path) -> PreparedData:
     """``prepare_data`` from the groups it reads (``model`` resolved: its preset and depth
-    decided): the corpus of ``data.path`` (preference pairs for DPO), the tokenizer, and the
-    token cache under ``cache_dir``."""
+    decided): the corpus of ``data.path`` (preference pairs for DPO, shuffled by the trainer's
+    seed), the tokenizer, and the token cache under ``cache_dir``."""
     presets.check_num_layers(model.preset, model.num_layers)  # before the tokenizer's work
     storage.require_writable_directory("cache_dir", cache_dir)
     corpus = documents.resolve_corpus(
         data.path,
         cache_dir=cache_dir,
         embedded_stories=data.embedded_stories,
-        seed=seed,
+        seed=trainer.seed,
         skip_bad_records=data.skip_bad_records,
-        preferences=preferences,
+        preferences=trainer.objective == "dpo",
     )
     rule = SplitRule(data.eval_fraction, data.max_eval_stories,
                      jax.process_index(), jax.process_count())

@@ -141,10 +141,8 @@ class Experiment:
         host_rate = host_peak.of_run(devices, config.model.compute_dtype)
         startup.phase("host_peak")
 
-        prepared = prepare_tokens(config.data, config.model,
-                                  cache_dir=config.runtime.resolved_cache_dir,
-                                  seed=config.trainer.seed,
-                                  preferences=config.trainer.objective == "dpo")
+        prepared = prepare_tokens(config.data, config.model, config.trainer,
+                                  cache_dir=config.runtime.resolved_cache_dir)
         data = training_data(prepared, config.data, config.trainer)
         startup.phase("data")
 
