@@ -140,12 +140,14 @@ peers-lock: $(UV)
 		-o bench/peers/$(kit)-requirements.txt;)
 
 # A fresh run each time: a run directory that holds checkpoints would be resumed instead.
-# The demo recipe (gemmalab/recipes.py; bench/demo_recipe.py, docs/benchmarks/demo-270m.md):
-# the embedded Gemma 3 270M, LoRA r8 at its default LR 1e-3, at a size that trains in minutes on
-# 2 CPU cores, also on CPUs without bf16 matmul units (16 steps of 15 s there; ~5 s with AMX).
-# papermill's command line, the kernel ended as soon as the last cell is done (gemmalab/headless.py).
+# The notebook with no parameters but its output_dir: its default, the demo recipe
+# (gemmalab/recipes.py; bench/demo_recipe.py, docs/benchmarks/demo-270m.md): the embedded Gemma 3
+# 270M, LoRA r8 at its default LR 1e-3, at a size that trains in minutes on 2 CPU cores, also on
+# CPUs without bf16 matmul units (16 steps of 15 s there; ~5 s with AMX). DEMO="-p ..." adds
+# parameters. papermill's command line, the kernel ended as soon as the last cell is done
+# (gemmalab/headless.py).
 HEADLESS := $(VENV)/bin/python -m gemmalab.headless
-DEMO := -p recipe demo
+DEMO ?=
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	$(HEADLESS) notebooks/train.ipynb $(DEMO_DIR)/train.ipynb $(DEMO) \

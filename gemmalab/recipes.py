@@ -1,15 +1,19 @@
 """Named recipes: the runs the notebook, the Makefile, the Kubernetes cases and the launch
-notebook ask for by name (``recipe = "demo"``, ``-p recipe tiny``, ``params={"recipe":
-"tutorial"}``), declared once here as flat TrainConfig values on top of its defaults.
+notebook ask for by name (``-p recipe tiny``, ``params={"recipe": "tutorial"}``), declared once
+here as flat TrainConfig values on top of its defaults.
 
-``TrainConfig()`` itself, with no recipe, trains the tiny preset (gemma3-tiny, 1.7M parameters)
-from random init with a tokenizer trained on the embedded stories, one epoch of 12,000 stories
-at 16 x 256: the ``tiny`` recipe, which adds nothing. Where a run writes is the caller's
-(``output_dir``: the Makefile's DEMO_DIR, a Kubernetes job's bucket), not a recipe's.
+Parameters that name no recipe, no model and no checkpoint (``papermill train.ipynb out.ipynb -p
+batch_size 64``, a job that sets only its data and sizes) run the ``demo`` recipe: LoRA on the
+embedded pretrained Gemma 3 270M, with whatever else they set on top (``for_parameters``). Named
+models and checkpoints keep TrainConfig's defaults for the rest, as recipes do theirs. The toy is
+asked for by name: ``tiny`` (gemma3-tiny, 1.7M parameters, from random init). Where a run writes
+is the caller's (``output_dir``: the Makefile's DEMO_DIR, a Kubernetes job's bucket), not a
+recipe's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from gemmalab.errors import ConfigError
@@ -30,8 +34,9 @@ RECIPES: dict[str, dict[str, Any]] = {
         "max_eval_stories": 16,
         "eval_every": 8,
     },
-    # TrainConfig's defaults: the tiny preset from random init (`make demo-tiny`, the tests).
-    "tiny": {},
+    # The 1.7M-parameter tiny preset from random init with a tokenizer trained on the corpus, one
+    # epoch of 12,000 embedded stories at 16 x 256 (`make demo-tiny`, the notebook copies).
+    "tiny": {"model": "gemma3-tiny"},
     # Gemma 4's tiny presets the same way (`make demo-tiny TINY_RECIPE=gemma4-tiny`): the dense
     # one with per-layer embeddings and shared keys and values, and the mixture of experts.
     "gemma4-tiny": {"model": "gemma4-tiny"},
@@ -50,11 +55,35 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
+# What parameters that name no recipe, model or checkpoint run: a real Gemma, never the toy.
+DEFAULT_RECIPE = "demo"
+# The parameters that name what a run trains: given one, the default recipe stays out.
+MODEL_PARAMETERS = ("model", "checkpoint")
+
+
 def named(name: str) -> dict[str, Any]:
     """The recipe's flat values ("" = none: TrainConfig's defaults)."""
     if not name:
         return {}
     if not isinstance(name, str) or name not in RECIPES:
         raise ConfigError(RECIPE_PARAMETER, f"unknown recipe {name!r}",
-                          f"use one of {', '.join(RECIPES)}, or '' for TrainConfig's defaults")
+                          f"use one of {', '.join(RECIPES)}, or '' for the default "
+                          f"({DEFAULT_RECIPE!r} unless model or checkpoint is set)")
     return dict(RECIPES[name])
+
+
+def chosen(values: Mapping[str, Any]) -> tuple[str, str]:
+    """The recipe that parameters ``values`` run ("" for none) and why: the one their
+    ``recipe`` names; none named, ``DEFAULT_RECIPE`` unless they name a model or checkpoint."""
+    name = values.get(RECIPE_PARAMETER) or ""
+    if name:
+        return name, "given"
+    given = [key for key in MODEL_PARAMETERS if values.get(key)]
+    if given:
+        return "", f"{' and '.join(given)} given"
+    return DEFAULT_RECIPE, "the default (no recipe, model or checkpoint given)"
+
+
+def for_parameters(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The flat values of the recipe that parameters ``values`` run (``chosen``)."""
+    return named(chosen(values)[0])

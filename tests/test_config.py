@@ -12,6 +12,7 @@ from gemmalab.config import (
     refuse_unknown_parameters,
 )
 from gemmalab.errors import ConfigError
+from gemmalab.weights import resolution
 
 
 def test_defaults_are_valid_and_round_trip():
@@ -70,8 +71,32 @@ def test_a_recipe_is_the_base_of_a_notebooks_parameters():
         "embedded:gemma3-270m", 8, 16)
     # A field given beside the recipe wins over it.
     assert TrainConfig.from_parameters({"recipe": "demo", "lora_rank": 16}).lora.rank == 16
-    assert TrainConfig.from_parameters({"recipe": ""}) == TrainConfig()
-    assert TrainConfig.from_parameters({"recipe": "tiny"}) == TrainConfig()
+    # The toy only by name.
+    assert TrainConfig.from_parameters({"recipe": "tiny"}) == TrainConfig.flat(model="gemma3-tiny")
+
+
+def test_parameters_that_name_no_recipe_model_or_checkpoint_fine_tune_a_real_gemma():
+    """papermill train.ipynb out.ipynb -p batch_size 64: the demo recipe (LoRA on the embedded
+    pretrained 270M) under what is given; a named model or checkpoint keeps the rest of
+    TrainConfig's defaults, as before (a model without weights: random init)."""
+    demo = TrainConfig.flat(**recipes.RECIPES["demo"])
+    assert TrainConfig.from_parameters({"recipe": ""}) == demo
+    assert TrainConfig.from_parameters({}) == demo
+    sized = TrainConfig.from_parameters({"recipe": "", "batch_size": 64, "data_path": "a.txt"})
+    assert sized == demo.replace(batch_size=64, data_path="a.txt")
+    assert recipes.chosen({"batch_size": 64}) == (
+        "demo", "the default (no recipe, model or checkpoint given)")
+    named = TrainConfig.from_parameters({"recipe": "", "model": "gemma3-1b"})
+    assert named == TrainConfig.flat(model="gemma3-1b")
+    assert recipes.chosen({"model": "gemma3-1b", "recipe": ""}) == ("", "model given")
+    decided = resolution.resolve(named)
+    assert decided.config.model.checkpoint == "" and decided.to_dict()["checkpoint"] == {
+        "value": "", "from": "random init of the named model"}
+    own = TrainConfig.from_parameters({"checkpoint": "GEMMA3_1B_PT"})
+    assert own == TrainConfig.flat(checkpoint="GEMMA3_1B_PT") and own.lora.rank == 0
+    # An override (a Kubernetes job's) counts as given.
+    assert TrainConfig.from_parameters({}, model="gemma3-tiny") == TrainConfig.flat(
+        model="gemma3-tiny")
     with pytest.raises(ConfigError, match="^recipe: unknown recipe 'demo2'. Fix: use one of "
                        "demo, tiny, gemma4-tiny, gemma4-tiny-moe, tutorial"):
         TrainConfig.from_parameters({"recipe": "demo2"})
@@ -161,8 +186,9 @@ def test_a_misspelt_papermill_parameter_is_refused_naming_the_field_it_meant():
     with pytest.raises(ConfigError, match=r"^zzz: .* Fix: use a gemmalab.config.TrainConfig"):
         TrainConfig.from_parameters(namespace("zzz = 3"))
     # Outside papermill (no injected cell, or no IPython history): nothing to check.
-    assert TrainConfig.from_parameters({"In": ["", own], "max_step": 3}) == TrainConfig()
-    assert TrainConfig.from_parameters({"max_step": 3}) == TrainConfig()
+    demo = TrainConfig.flat(**recipes.RECIPES["demo"])
+    assert TrainConfig.from_parameters({"In": ["", own], "max_step": 3}) == demo
+    assert TrainConfig.from_parameters({"max_step": 3}) == demo
 
 
 def test_a_notebook_without_a_config_refuses_names_that_are_not_its_own():

@@ -123,8 +123,9 @@ def test_lab_serves_the_notebooks_and_runs_them_in_the_project_kernel(lab):
                      "    {'recipe': recipe})).config\n"
                      "print(config.model.preset, config.model.tokenizer,\n"
                      "      sys.version_info[:2] == (3, 12))")
-    # The notebook's default recipe ("": TrainConfig's): the tiny preset, its corpus's tokenizer.
-    assert output.split() == ["gemma3-tiny", "local", "True"]
+    # The notebook's default ("": the demo recipe): the embedded pretrained Gemma 3 270M, read
+    # with its own vocabulary.
+    assert output.split() == ["gemma3-270m", "gemma3", "True"]
 
 
 @pytest.mark.slow

@@ -651,3 +651,22 @@ def test_the_plan_holds_an_expert_axis_exchange_buffers_and_a_capacity_shrinks_t
     sizes = {"expert": 8, "tensor": 1}
     saved = 1024 * 2 * 2 * (expert_activations(moe, sizes) - expert_activations(moe, sizes, 2.0))
     assert dropless.breakdown["activations"] - bounded.breakdown["activations"] == saved
+
+
+def test_the_command_line_plans_what_the_training_notebook_would_run(capsys):
+    """``python -m gemmalab.plan`` with no run options: the notebook's default (the demo recipe,
+    LoRA r8 on the embedded 270M at 8 x 128); a named model keeps its own defaults and reads
+    its family's vocabulary, not a corpus tokenizer's."""
+    from gemmalab.plan.__main__ import main
+
+    main([])
+    default = json.loads(capsys.readouterr().out)
+    assert (default["model"], default["batch_size"], default["maxlen"]) == ("gemma3-270m", 8, 128)
+    assert default["trainable_params"] < default["num_params"] / 100  # adapters only
+    main(["--model", "gemma3-1b", "--accelerator", "h200:8", "--mesh", '{"fsdp": -1}'])
+    named = json.loads(capsys.readouterr().out)
+    assert (named["model"], named["batch_size"], named["maxlen"]) == ("gemma3-1b", 64, 256)
+    assert named["trainable_params"] == named["num_params"] > 999e6  # full, 262k-row embedding
+    main(["--recipe", "tiny", "--batch-size", "16"])
+    tiny = json.loads(capsys.readouterr().out)
+    assert (tiny["model"], tiny["batch_size"]) == ("gemma3-tiny", 16)

