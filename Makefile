@@ -230,7 +230,7 @@ notebooks: $(STAMP)
 	rm -rf $(NBVAL_DIR)/nbval-cache $(NBVAL_DIR)/nbval-run $(NBVAL_DIR)/nbval-profile \
 		$(NBVAL_DIR)/nbval-export
 	$(PAPERMILL) notebooks/data_prep.ipynb $(NBVAL_DIR)/1_data_prep.ipynb $(NBVAL_DATA) \
-		-p checkpoint "" -p tokenizer local \
+		-p model gemma3-tiny -p checkpoint "" -p tokenizer local \
 		-y '{compare_maxlens: [32, 64, 128]}'
 	$(PAPERMILL) notebooks/train.ipynb $(NBVAL_DIR)/2_train.ipynb $(TINY) $(NBVAL_DATA) \
 		-p num_layers 2 -p batch_size 8 -p max_steps 20 -p eval_every 10 \

@@ -70,6 +70,13 @@ def resolve(config: TrainConfig) -> Resolved:
                        EMBEDDED_PREFERENCES if trainer.objective == "dpo" else "",
                        f"the {trainer.objective} objective's embedded set")
 
+    if not model.checkpoint and model.preset is None:  # the default base: random init's asks
+        for name, asks in (("num_layers", model.num_layers is not None),
+                           ("tokenizer", model.tokenizer == "local")):
+            require(not asks, name, f"is set for random init, but no model is named, so the run "
+                    f"fine-tunes the default base {DEFAULT_CHECKPOINT}",
+                    "name the model to initialise (e.g. model='gemma3-tiny'), or leave "
+                    f"{name} unset")
     require(num_layers is None or not checkpoint
             or (run is not None and run.get("num_layers") == num_layers), "num_layers",
             f"a cut model ({num_layers} layers) cannot load {checkpoint!r}, which holds every "

@@ -44,11 +44,14 @@ def test_a_config_naming_no_model_or_checkpoint_fine_tunes_the_embedded_real_bas
         "gemma3-270m", "gemma3")
     assert resolve(resolved.config).config == resolved.config
     assert decided(model="gemma3-270m").model.checkpoint == ""  # random init, as named
-    # Cut models and corpus tokenizers are random init's: refused on the default base by name.
-    with pytest.raises(ConfigError, match="^num_layers: a cut model"):
-        decided(num_layers=2)
-    with pytest.raises(ConfigError, match="^tokenizer: a tokenizer trained on the corpus"):
-        decided(tokenizer="local")
+    # Cut models and corpus tokenizers are random init's: refused on the default base, asking
+    # for the model to initialise.
+    for name, value in (("num_layers", 2), ("tokenizer", "local")):
+        with pytest.raises(ConfigError, match=f"^{name}: is set for random init, but no model is "
+                           "named, so the run fine-tunes the default base embedded:gemma3-270m. "
+                           "Fix: name the model to initialise"):
+            decided(**{name: value})
+    assert decided(model="gemma3-tiny", num_layers=2, tokenizer="local").model.checkpoint == ""
 
 
 def test_a_checkpoint_that_does_not_name_its_model_asks_for_it(tmp_path):
