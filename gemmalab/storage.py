@@ -43,6 +43,21 @@ def require_gcs_credentials(parameter: str, path: str, *, fix: str = GCS_FIX) ->
                           "were found", fix)
 
 
+def require_reachable(parameter: str, path: str, *, fix: str = GCS_FIX) -> None:
+    """Fail fast, naming ``parameter``, when a gs:// path cannot be read from here: no
+    credentials, or Google's storage API unreachable (no network, a proxy refusing it). Local
+    paths pass (a missing file is the reader's to report)."""
+    if not is_gcs(path):
+        return
+    require_gcs_credentials(parameter, path, fix=fix)
+    try:
+        _gcs_path(path).exists()
+    except Exception as error:  # TensorFlow's, google-auth's or the network's: all mean "no"
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ConfigError(parameter, f"cannot reach {path} ({type(error).__name__}: "
+                          f"{first_line[:200]})", fix) from None
+
+
 def _gcs_path(path: str | os.PathLike):
     """The one way to a gs:// object (etils.epath); tests put a local folder behind it."""
     from etils import epath

@@ -53,6 +53,19 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+OUTPUTS_ROOT_FIX = ("set outputs_root to a folder that holds the runs' outputs (on JupyterHub: "
+                    "/outputs, the bucket's GCS FUSE mount), or give this machine credentials and "
+                    "network access to the bucket")
+
+
+def outputs_root(given: str, outputs_bucket: str) -> str:
+    """Where launch.ipynb reads its runs' outputs: ``given``, else the outputs bucket; refused
+    in one line naming ``outputs_root`` when it cannot be read from here."""
+    root = given or f"gs://{outputs_bucket}"
+    storage.require_reachable("outputs_root", root, fix=OUTPUTS_ROOT_FIX)
+    return root.rstrip("/")
+
+
 def run_metrics(run_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train records, eval records) of the run writing to ``run_dir``, so far."""
     return read_jsonl(f"{run_dir}/metrics.jsonl"), read_jsonl(f"{run_dir}/eval.jsonl")

@@ -3,6 +3,10 @@ against a real cluster: test_k8s_cluster.py."""
 
 import json
 
+import pytest
+
+from gemmalab import storage
+from gemmalab.errors import ConfigError
 from gemmalab.k8s import launch
 from gemmalab.k8s.client import RunOutcome
 
@@ -42,3 +46,28 @@ def test_run_metrics_reads_what_the_trainer_writes(tmp_path):
     history, evals = launch.run_metrics(str(tmp_path))
     assert [r["loss"] for r in history] == [4.0, 3.0, 2.0] and evals[0]["eval_loss"] == 6.0
     assert launch.run_metrics(str(tmp_path / "not-yet")) == ([], [])
+
+
+def test_an_outputs_bucket_that_cannot_be_read_from_here_is_one_line_naming_outputs_root(
+        tmp_path, monkeypatch):
+    """As on a machine with no route to Google: the read that failed deep in TensorFlow
+    ("Could not resolve host: www.googleapis.com") is refused before it, by name."""
+    assert launch.outputs_root(str(tmp_path) + "/", "bucket") == str(tmp_path)
+
+    class Unreachable:
+        def exists(self):
+            raise RuntimeError("Could not resolve host: www.googleapis.com\nmore detail")
+
+    monkeypatch.setattr(storage, "_gcs_credentials_found", lambda: True)
+    monkeypatch.setattr(storage, "_gcs_path", lambda path: Unreachable())
+    with pytest.raises(ConfigError) as raised:
+        launch.outputs_root("", "my-project-gemmalab-outputs")
+    message = str(raised.value)
+    assert message.startswith("outputs_root: cannot reach gs://my-project-gemmalab-outputs "
+                              "(RuntimeError: Could not resolve host: www.googleapis.com). "
+                              "Fix: set outputs_root to a folder")
+    assert "\n" not in message
+    monkeypatch.setattr(storage, "_gcs_credentials_found", lambda: False)
+    with pytest.raises(ConfigError, match="^outputs_root: gs://b is on Google Cloud Storage but "
+                       "no credentials were found"):
+        launch.outputs_root("gs://b", "ignored")
