@@ -1,4 +1,5 @@
-"""TPU and GPU shapes on GKE: what a generation and topology mean in chips, hosts and labels.
+"""TPU and GPU shapes on GKE, and the local cluster's CPU node: what a generation and topology
+mean in chips, hosts and labels.
 
 The chips' own facts (their slices, the chips a host holds) are the catalogue's
 (``gemmalab.accelerators``); this module adds GKE's: node labels, machine types and what a pod
@@ -94,6 +95,14 @@ GPU_TYPES: dict[str, GpuType] = {
 }
 # The GPUs of one node: the a3 machine types' (the catalogue's host_chips).
 MAX_GPUS_PER_NODE = max(max(CHIPS[name].host_chips) for name in GPU_TYPES)
+
+# The CPU profile: the local cluster's real node (`make cluster`), labelled and tainted
+# CPU_NODE_LABEL=CPU_NODE_VALUE so that only these runs land on it. One JAX process (one CPU
+# device) a pod; requests without limits, so the pods of a 2-host run share the node's cores.
+CPU_ACCELERATOR = "cpu"
+CPU_NODE_LABEL = "gemmalab.dev/node"
+CPU_NODE_VALUE = "cpu"
+CPU_HOST_REQUESTS = HostResources("500m", "3Gi")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import importlib.metadata
 import re
 import types
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from gemmalab.config import FLAT_NAMES, TrainConfig
@@ -36,6 +37,19 @@ PROFILER_PORT = 9002  # jax.profiler server, for XProf's "capture profile"
 JAX_COORDINATOR_PORT = 1234  # GPU multi-node: jax.distributed coordinator on process 0
 REPLICATED_JOB = "slice"  # JobSet replicatedJob name: one child Job per TPU slice
 MAX_NAME = 63  # DNS label limit (pod hostnames, label values, service names)
+
+# The image `make image` builds and loads into the local cluster's node: buildah's name for a
+# local image, which the node's containerd keeps (no registry, nothing pulled).
+LOCAL_CPU_IMAGE = "localhost/gemmalab-cpu:{version}"
+
+
+def local_volumes() -> tuple[Path, Path]:
+    """The local cluster's directories standing for the data and outputs buckets (/data and
+    /outputs in its CPU pods; writable by the image's user)."""
+    from gemmalab.k8s.cluster.build import cluster_home
+
+    return cluster_home() / "volumes" / "data", cluster_home() / "volumes" / "outputs"
+
 
 # Set from the cluster config, never by the user: the container's paths.
 MANAGED_PARAMS = ("output_dir", "cache_dir")
@@ -102,10 +116,14 @@ def check_notebook_params(params: Any, notebook: str = NOTEBOOK, *,
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
-    """One training run on GKE. Every field is checked on construction (one-line ConfigError)."""
+    """One training run on GKE, or on the local cluster's CPU node (``accelerator="cpu"``, `make
+    cluster`: the same objects but for the node, the resources and the volumes). Every field is
+    checked on construction (one-line ConfigError)."""
 
     job_name: str = "gemma3-train"
-    image: str = ""  # "" = <region>-docker.pkg.dev/<project>/gemmalab/gemmalab-<tpu|gpu>:<version>
+    # "" = <region>-docker.pkg.dev/<project>/gemmalab/gemmalab-<tpu|gpu>:<version>, or for the
+    # CPU node the image `make image` loads into it (LOCAL_CPU_IMAGE).
+    image: str = ""
     project: str = DEFAULT_PROJECT
     region: str = DEFAULT_REGION
     zone: str = DEFAULT_ZONE
@@ -114,13 +132,18 @@ class ClusterConfig:
     data_bucket: str = ""  # "" = <project>-gemmalab-data (mounted read-only at /data)
     outputs_bucket: str = ""  # "" = <project>-gemmalab-outputs (read-write at /outputs)
 
-    # TPU: generation + topology (+ slices). GPU: type + GPUs per node + nodes.
-    accelerator: str = "v6e"  # v5e | v5p | v6e | h100 | h200
+    # TPU: generation + topology (+ slices). GPU: type + GPUs per node + nodes. CPU: hosts
+    # (pods, one JAX process each) as nodes, on the local cluster's node.
+    accelerator: str = "v6e"  # v5e | v5p | v6e | h100 | h200 | cpu
     topology: str = "1x1"  # TPU only
     num_slices: int = 1  # TPU only; > 1 is multislice (one node pool per slice)
     chips_per_host: int | None = None  # TPU only; None = GKE's usual machine type
     gpus_per_node: int = 8  # GPU only
-    num_nodes: int = 1  # GPU only
+    num_nodes: int = 1  # GPU and CPU only
+    # CPU only: the node's directories mounted at /data (read-only) and /outputs, standing for
+    # the GCS FUSE buckets ("" = the local cluster's, under its home: LOCAL_VOLUMES).
+    local_data_dir: str = ""
+    local_outputs_dir: str = ""
 
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # papermill parameters
     notebook: str = NOTEBOOK
@@ -186,7 +209,23 @@ class ClusterConfig:
     def _check_accelerator(self) -> None:
         require(isinstance(self.num_slices, int) and self.num_slices >= 1, "num_slices",
                 f"{self.num_slices!r} < 1", "use 1, or the number of TPU slices")
-        if self.is_gpu:
+        require(self.is_cpu or not (self.local_data_dir or self.local_outputs_dir),
+                "local_data_dir" if self.local_data_dir else "local_outputs_dir",
+                "is for the local cluster's CPU node", "use the buckets, or accelerator='cpu'")
+        if self.is_cpu:
+            require(self.num_slices == 1 and self.chips_per_host is None
+                    and self.topology == "1x1", "num_slices" if self.num_slices != 1
+                    else "chips_per_host" if self.chips_per_host is not None else "topology",
+                    "is for TPU slices", "use num_nodes for several CPU hosts")
+            require(self.gpus_per_node == accelerators.MAX_GPUS_PER_NODE, "gpus_per_node",
+                    "is for GPUs", "leave it at its default with accelerator='cpu'")
+            require(isinstance(self.num_nodes, int) and self.num_nodes >= 1, "num_nodes",
+                    f"{self.num_nodes!r} < 1", "use 1 or more")
+            for field in ("local_data_dir", "local_outputs_dir"):
+                value = getattr(self, field)
+                require(value == "" or value.startswith("/"), field,
+                        f"{value!r} is not an absolute path", "give the node's absolute path")
+        elif self.is_gpu:
             accelerators.gpu_type(self.accelerator)
             require(self.num_slices == 1, "num_slices", "is for TPU slices",
                     "use num_nodes for several GPU nodes")
@@ -288,14 +327,19 @@ class ClusterConfig:
         return self.accelerator in accelerators.GPU_TYPES
 
     @property
+    def is_cpu(self) -> bool:
+        """The local cluster's real node (`make cluster`), not a GKE node pool."""
+        return self.accelerator == accelerators.CPU_ACCELERATOR
+
+    @property
     def tpu(self) -> TpuSlice:
-        if self.is_gpu:
+        if self.is_gpu or self.is_cpu:
             raise ValueError(f"{self.accelerator} is not a TPU")
         return accelerators.tpu_slice(self.accelerator, self.topology, self.chips_per_host)
 
     @property
     def hosts_per_slice(self) -> int:
-        return self.num_nodes if self.is_gpu else self.tpu.hosts
+        return self.num_nodes if self.is_gpu or self.is_cpu else self.tpu.hosts
 
     @property
     def total_hosts(self) -> int:
@@ -303,6 +347,8 @@ class ClusterConfig:
 
     @property
     def devices_per_host(self) -> int:
+        if self.is_cpu:
+            return 1  # one JAX process a pod, one CPU device
         return self.gpus_per_node if self.is_gpu else self.tpu.chips_per_host
 
     @property
@@ -315,11 +361,16 @@ class ClusterConfig:
         return self.total_hosts > 1
 
     @property
-    def accelerator_resource(self) -> str:
+    def accelerator_resource(self) -> str | None:
+        """The extended resource a pod asks for its devices (none for CPUs)."""
+        if self.is_cpu:
+            return None
         return accelerators.GPU_RESOURCE if self.is_gpu else accelerators.TPU_RESOURCE
 
     @property
     def node_selector(self) -> dict[str, str]:
+        if self.is_cpu:
+            return {accelerators.CPU_NODE_LABEL: accelerators.CPU_NODE_VALUE}
         if self.is_gpu:
             return {accelerators.GPU_ACCELERATOR_LABEL:
                     accelerators.gpu_type(self.accelerator).accelerator}
@@ -327,6 +378,8 @@ class ClusterConfig:
 
     @property
     def host_resources(self) -> HostResources:
+        if self.is_cpu:
+            return accelerators.CPU_HOST_REQUESTS
         if self.is_gpu:
             per_gpu = accelerators.gpu_type(self.accelerator).per_gpu
             return HostResources(accelerators.scale_quantity(per_gpu.cpu, self.gpus_per_node),
@@ -358,6 +411,8 @@ class ClusterConfig:
     def resolved_image(self) -> str:
         if self.image:
             return self.image
+        if self.is_cpu:
+            return LOCAL_CPU_IMAGE.format(version=package_version())
         kind = "gpu" if self.is_gpu else "tpu"
         return (f"{self.region}-docker.pkg.dev/{self.project}/{ARTIFACT_REPOSITORY}/"
                 f"gemmalab-{kind}:{package_version()}")
@@ -366,7 +421,14 @@ class ClusterConfig:
     def google_service_account(self) -> str:
         return f"{self.service_account}@{self.project}.iam.gserviceaccount.com"
 
+    def resolved_local_volumes(self) -> tuple[str, str]:
+        """The CPU node's directories behind /data and /outputs."""
+        data, outputs = local_volumes()
+        return self.local_data_dir or str(data), self.local_outputs_dir or str(outputs)
+
     def describe(self) -> str:
+        if self.is_cpu:
+            return f"{self.num_nodes} x cpu (local node)"
         if self.is_gpu:
             return f"{self.num_nodes} x {self.gpus_per_node} {self.accelerator.upper()}"
         slices = f"{self.num_slices} x " if self.num_slices > 1 else ""

@@ -1,5 +1,8 @@
 """Kubernetes objects that run the training notebook: a Job on one host, a JobSet across hosts.
 
+On GKE's TPU and GPU node pools; the same objects, but for the node, the resources and the
+volumes, on the local cluster's real CPU node (``accelerator="cpu"``).
+
 ``build(config)`` picks the right one. Jobs are ``kubernetes.client`` models; the JobSet is a
 custom resource, so it is a plain dict whose child-Job template is a serialised ``V1JobSpec``.
 """
@@ -10,7 +13,7 @@ from typing import Any
 
 from kubernetes import client
 
-from gemmalab.k8s import gcsfuse
+from gemmalab.k8s import accelerators, gcsfuse
 from gemmalab.k8s.config import (
     CACHE_MOUNT,
     JAX_COORDINATOR_PORT,
@@ -77,7 +80,7 @@ def _env(config: ClusterConfig) -> list[client.V1EnvVar]:
         client.V1EnvVar(name="GEMMALAB_CACHE_DIR", value=CACHE_MOUNT),
         # The accelerator first: at start-up the notebook stops if JAX's backend is another
         # (distributed.require_requested_accelerator; JAX itself skips a missing cuda).
-        client.V1EnvVar(name="JAX_PLATFORMS", value="cuda,cpu" if config.is_gpu else "tpu,cpu"),
+        client.V1EnvVar(name="JAX_PLATFORMS", value=_jax_platforms(config)),
         client.V1EnvVar(name="PYTHONUNBUFFERED", value="1"),
         client.V1EnvVar(name="TF_CPP_MIN_LOG_LEVEL", value="3"),
         _field_env("POD_NAME", "metadata.name"),
@@ -87,9 +90,9 @@ def _env(config: ClusterConfig) -> list[client.V1EnvVar]:
             _field_env("GEMMALAB_SLICE", f"metadata.annotations['{JOB_INDEX_ANNOTATION}']"),
             _field_env("GEMMALAB_HOST", f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"),
         ]
-    if config.multi_host and config.is_gpu:
-        # On GPUs nothing injects the cluster layout: process 0 of the JobSet is the
-        # coordinator, reachable through the JobSet's headless service as
+    if config.multi_host and _coordinated(config):
+        # On GPUs (and the local CPU node) nothing injects the cluster layout: process 0 of the
+        # JobSet is the coordinator, reachable through the JobSet's headless service as
         # <jobset>-<replicatedJob>-0-0.<jobset>.
         coordinator = f"{config.job_name}-{REPLICATED_JOB}-0-0.{config.job_name}"
         env += [
@@ -109,11 +112,23 @@ def _env(config: ClusterConfig) -> list[client.V1EnvVar]:
     return env
 
 
+def _jax_platforms(config: ClusterConfig) -> str:
+    if config.is_cpu:
+        return "cpu"
+    return "cuda,cpu" if config.is_gpu else "tpu,cpu"
+
+
+def _coordinated(config: ClusterConfig) -> bool:
+    """Whether the run's processes find their coordinator from our env (GPUs, CPUs), not from
+    what GKE's TPU webhook injects."""
+    return config.is_gpu or config.is_cpu
+
+
 def _ports(config: ClusterConfig) -> list[client.V1ContainerPort] | None:
     ports = []
-    if config.multi_host and not config.is_gpu:
+    if config.multi_host and not _coordinated(config):
         ports.append(client.V1ContainerPort(name="tpu-runtime", container_port=TPU_RUNTIME_PORT))
-    if config.multi_host and config.is_gpu:
+    if config.multi_host and _coordinated(config):
         ports.append(client.V1ContainerPort(name="coordinator",
                                             container_port=JAX_COORDINATOR_PORT))
     if config.profiling:
@@ -127,14 +142,20 @@ def output_notebook(config: ClusterConfig) -> str:
     return f"{config.output_dir}/train.ipynb"
 
 
-def container(config: ClusterConfig) -> client.V1Container:
+def _resources(config: ClusterConfig) -> client.V1ResourceRequirements:
     host = config.host_resources
-    resources = {
-        "cpu": host.cpu,
-        "memory": host.memory,
-        "ephemeral-storage": f"{config.cache_size_gi + 5}Gi",  # cache emptyDir + logs, tmp
-        config.accelerator_resource: str(config.devices_per_host),
-    }
+    resources = {"cpu": host.cpu, "memory": host.memory}
+    if config.is_cpu:
+        # Requests only: the pods of a run share the local node's cores, memory and disk.
+        return client.V1ResourceRequirements(requests=resources)
+    resources["ephemeral-storage"] = f"{config.cache_size_gi + 5}Gi"  # cache + logs, tmp
+    resources[config.accelerator_resource] = str(config.devices_per_host)
+    # Requests = limits: the accelerator must be (extended resources allow nothing else), and
+    # equal CPU/memory make the pod Guaranteed, the last to be evicted.
+    return client.V1ResourceRequirements(requests=dict(resources), limits=dict(resources))
+
+
+def container(config: ClusterConfig) -> client.V1Container:
     mounts = gcsfuse.volume_mounts()
     if config.is_gpu:
         mounts.append(client.V1VolumeMount(name="dshm", mount_path="/dev/shm"))
@@ -148,9 +169,7 @@ def container(config: ClusterConfig) -> client.V1Container:
                             params=notebook_params(config)),
         env=_env(config),
         ports=_ports(config),
-        # Requests = limits: the accelerator must be (extended resources allow nothing else),
-        # and equal CPU/memory make the pod Guaranteed, the last to be evicted.
-        resources=client.V1ResourceRequirements(requests=dict(resources), limits=dict(resources)),
+        resources=_resources(config),
         volume_mounts=mounts,
         # Not privileged: since GKE 1.28 the TPU device plugin hands the chips' device files to
         # the container (as the NVIDIA plugin does for GPUs), so the privileged mode older TPU
@@ -160,21 +179,46 @@ def container(config: ClusterConfig) -> client.V1Container:
     )
 
 
+def _volumes(config: ClusterConfig) -> list[client.V1Volume]:
+    """The buckets through GCS FUSE on GKE; on the local node its directories standing for
+    them (the same volume names and mounts)."""
+    if not config.is_cpu:
+        return gcsfuse.volumes(config)
+    data, outputs = config.resolved_local_volumes()
+    return [
+        client.V1Volume(name=gcsfuse.DATA_VOLUME, host_path=client.V1HostPathVolumeSource(
+            path=data, type="Directory")),
+        client.V1Volume(name=gcsfuse.OUTPUTS_VOLUME, host_path=client.V1HostPathVolumeSource(
+            path=outputs, type="Directory")),
+        client.V1Volume(name=gcsfuse.CACHE_VOLUME, empty_dir=client.V1EmptyDirVolumeSource(
+            size_limit=f"{config.cache_size_gi}Gi")),
+    ]
+
+
+def _tolerations(config: ClusterConfig) -> list[client.V1Toleration]:
+    if config.is_cpu:  # the local node's own taint keeps every other pod off it
+        return [client.V1Toleration(key=accelerators.CPU_NODE_LABEL, operator="Equal",
+                                    value=accelerators.CPU_NODE_VALUE, effect="NoSchedule")]
+    # GKE taints accelerator nodes; it adds these tolerations itself, stated for clarity.
+    return [client.V1Toleration(key=config.accelerator_resource, operator="Exists",
+                                effect="NoSchedule")]
+
+
 def pod_template(config: ClusterConfig) -> client.V1PodTemplateSpec:
-    volumes = gcsfuse.volumes(config)
+    volumes = _volumes(config)
     if config.is_gpu:  # NCCL exchanges data through /dev/shm; the default 64 MiB is too small
         volumes.append(client.V1Volume(name="dshm", empty_dir=client.V1EmptyDirVolumeSource(
             medium="Memory", size_limit="32Gi")))
     return client.V1PodTemplateSpec(
-        metadata=client.V1ObjectMeta(labels=labels(config), annotations=gcsfuse.pod_annotations()),
+        metadata=client.V1ObjectMeta(
+            labels=labels(config),
+            annotations=None if config.is_cpu else gcsfuse.pod_annotations()),
         spec=client.V1PodSpec(
             service_account_name=config.service_account,
             restart_policy="Never",
             termination_grace_period_seconds=config.termination_grace_period_s,
             node_selector=config.node_selector,
-            # GKE taints accelerator nodes; it adds these tolerations itself, stated for clarity.
-            tolerations=[client.V1Toleration(key=config.accelerator_resource, operator="Exists",
-                                             effect="NoSchedule")],
+            tolerations=_tolerations(config),
             security_context=client.V1PodSecurityContext(
                 run_as_non_root=True, run_as_user=RUN_AS_USER, run_as_group=RUN_AS_USER,
                 fs_group=RUN_AS_USER,
@@ -233,7 +277,7 @@ def jobset(config: ClusterConfig) -> dict[str, Any]:
         template=pod_template(config),
     ))
     annotations = {}
-    if not config.is_gpu:
+    if not _coordinated(config):  # TPU slices
         # Every child Job (= slice) gets a node pool (= physical slice) of its own, and all
         # pods of a slice land in the same node pool; without it pods of a slice can be
         # scattered over several node pools of the same topology and never see each other.

@@ -20,7 +20,8 @@ def initialize() -> bool:
     """``jax.distributed.initialize`` when this process is one of several; True if it joined.
 
     - ``JAX_COORDINATOR_ADDRESS`` + ``JAX_NUM_PROCESSES`` + ``JAX_PROCESS_ID``: set by the GPU
-      JobSet manifests (and usable anywhere, e.g. two processes on one machine).
+      and local CPU JobSet manifests (and usable anywhere, e.g. two processes on one machine;
+      with ``JAX_PLATFORMS=cpu`` over gloo).
     - ``TPU_WORKER_HOSTNAMES`` with several hosts, or ``MEGASCALE_NUM_SLICES`` > 1: a multi-host
       or multislice TPU JobSet on GKE; JAX's own cluster detection fills in the rest.
     """
@@ -34,6 +35,9 @@ def _join() -> bool:
         return True
     env = os.environ
     if env.get("JAX_COORDINATOR_ADDRESS"):
+        if env.get("JAX_PLATFORMS", "").split(",")[0].strip().lower() == "cpu":
+            # CPU processes exchange their collectives over gloo (JAX's CPU default has none).
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
                                    num_processes=int(env.get("JAX_NUM_PROCESSES", "1")),
                                    process_id=int(env.get("JAX_PROCESS_ID", "0")))

@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gemmalab.errors import ConfigError
 from gemmalab.k8s import gcsfuse, manifests, standard
 from gemmalab.k8s.config import DATA_MOUNT, OUTPUTS_MOUNT, RUN_AS_USER, ClusterConfig
 from tests.helpers.k8s import (
@@ -297,3 +298,60 @@ def test_a_dpo_run_is_one_parameter_and_a_bad_objective_is_refused(capsys):
     assert args[args.index("dpo_beta") + 1] == "0.2"
     assert main(["job", "-p", "objective", "ppo"]) == 2
     assert "objective: unknown objective 'ppo'" in capsys.readouterr().err
+
+
+def test_the_cpu_profile_runs_the_same_objects_on_the_local_node(tmp_path):
+    """accelerator="cpu": the image, entrypoint, service account, user, mounts and papermill
+    parameters of the GKE runs; the local node's selector and toleration, CPU and memory
+    requested without limits, its directories for the buckets, and one JAX process a pod
+    coordinated through the JobSet's DNS names."""
+    from kubernetes import client as k8s
+
+    data, outputs = tmp_path / "data", tmp_path / "outputs"
+    one = ClusterConfig(accelerator="cpu", job_name="cpu-one", params={"recipe": "tiny"},
+                        local_data_dir=str(data), local_outputs_dir=str(outputs))
+    [job] = manifests.build(one)
+    doc = k8s.ApiClient().sanitize_for_serialization(job)
+    _validate(doc)
+    tpu_doc = k8s.ApiClient().sanitize_for_serialization(
+        manifests.build(ClusterConfig(params={"recipe": "tiny"}, job_name="cpu-one"))[0])
+    [spec], [tpu_spec] = pod_specs(doc), pod_specs(tpu_doc)
+    [train], [tpu_train] = spec["containers"], tpu_spec["containers"]
+    for same in ("command", "args", "securityContext", "volumeMounts"):
+        assert train[same] == tpu_train[same], same
+    assert spec["securityContext"] == tpu_spec["securityContext"]
+    assert spec["serviceAccountName"] == tpu_spec["serviceAccountName"]
+    assert train["image"].startswith("localhost/gemmalab-cpu:")
+    assert spec["nodeSelector"] == {"gemmalab.dev/node": "cpu"}
+    assert spec["tolerations"] == [{"key": "gemmalab.dev/node", "operator": "Equal",
+                                    "value": "cpu", "effect": "NoSchedule"}]
+    assert train["resources"] == {"requests": {"cpu": "500m", "memory": "3Gi"}}
+    assert {v["name"]: v.get("hostPath", {}).get("path") for v in spec["volumes"]} == {
+        "data": str(data), "outputs": str(outputs), "cache": None}
+    assert "annotations" not in pod_metadata(doc)[0]  # no GCS FUSE sidecar
+    assert env_of(train)["JAX_PLATFORMS"] == "cpu"
+
+    two = ClusterConfig(accelerator="cpu", num_nodes=2, job_name="cpu-two",
+                        params={"recipe": "tiny", "batch_size": 8})
+    [jobset] = manifests.build(two)
+    assert not list(jobset_validator().iter_errors(jobset))
+    assert pods(jobset) == 2 and "annotations" not in jobset["metadata"]  # no node pools
+    env = env_of(pod_specs(jobset)[0]["containers"][0])
+    assert env["JAX_COORDINATOR_ADDRESS"] == "cpu-two-slice-0-0.cpu-two:1234"
+    assert env["JAX_NUM_PROCESSES"] == "2"
+    assert two.describe() == "2 x cpu (local node)" and two.total_devices == 2
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(topology="2x4"), "topology: is for TPU slices"),
+    (dict(num_slices=2), "num_slices: is for TPU slices"),
+    (dict(gpus_per_node=4), "gpus_per_node: is for GPUs"),
+    (dict(local_outputs_dir="outputs"), "local_outputs_dir: 'outputs' is not an absolute path"),
+    (dict(num_nodes=2, params={"batch_size": 3}), "params.batch_size: 3 is not divisible by the 2"),
+])
+def test_the_cpu_profile_refuses_what_it_cannot_run(fields, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        ClusterConfig(accelerator="cpu", **fields)
+    if "local_outputs_dir" in fields:
+        with pytest.raises(ConfigError, match="^local_outputs_dir: is for the local cluster's"):
+            ClusterConfig(local_outputs_dir="/x")
