@@ -307,7 +307,11 @@ class ClusterConfig:
         for topology, slices in self.queue_quota.items():
             require(not self.is_gpu, "queue_quota", "is rendered for TPU slices",
                     "use a TPU accelerator (e.g. v6e)")
-            accelerators.tpu_slice(self.accelerator, str(topology))
+            if self.is_cpu:  # the local node's pods: {"cpu": hosts at once}
+                require(topology == accelerators.CPU_ACCELERATOR, "queue_quota",
+                        f"{topology!r} is not the CPU node's", "use {'cpu': <pods at once>}")
+            else:
+                accelerators.tpu_slice(self.accelerator, str(topology))
             require(isinstance(slices, int) and not isinstance(slices, bool) and slices >= 1,
                     f"queue_quota.{topology}", f"{slices!r} is not a number of slices",
                     "use 1 or more (how many slices of that topology may run at once)")

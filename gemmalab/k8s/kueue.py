@@ -30,15 +30,22 @@ PROVISIONED_NODE_LABEL = "autoscaling.gke.io/provisioning-request"  # on the nod
 
 
 def flavor_name(config: ClusterConfig, topology: str) -> str:
+    if config.is_cpu:
+        return "cpu-local"
     suffix = "-flex" if config.flex_start else ""
     return f"{config.accelerator}-{topology}{suffix}"
 
 
 def resource_flavor(config: ClusterConfig, topology: str) -> dict[str, Any]:
     """Nodes of one slice shape: the same accelerator and topology labels the run's pods select,
-    so Kueue assigns a run only the flavor of its own topology."""
+    so Kueue assigns a run only the flavor of its own topology (the CPU profile: the local
+    node)."""
+    if config.is_cpu:
+        spec: dict[str, Any] = {"nodeLabels": config.node_selector}
+        return {"apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor",
+                "metadata": {"name": flavor_name(config, topology)}, "spec": spec}
     tpu = accelerators.tpu_slice(config.accelerator, topology)
-    spec: dict[str, Any] = {"nodeLabels": tpu.node_selector}
+    spec = {"nodeLabels": tpu.node_selector}
     if config.flex_start:
         # Kueue adds a flavor's tolerations to the pods it admits on it: the run's manifest
         # needs nothing flex-start specific.
@@ -50,7 +57,12 @@ def resource_flavor(config: ClusterConfig, topology: str) -> dict[str, Any]:
 
 def slice_quota(config: ClusterConfig, topology: str, slices: int) -> dict[str, str]:
     """What ``slices`` slices of ``topology`` request in all: chips, and each host's CPU,
-    memory and ephemeral storage as the training pods ask for them (manifests.container)."""
+    memory and ephemeral storage as the training pods ask for them (manifests.container). The
+    CPU profile's "slices" are hosts: what that many of its pods request."""
+    if config.is_cpu:
+        host = config.host_resources
+        return {"cpu": accelerators.scale_quantity(host.cpu, slices),
+                "memory": accelerators.scale_quantity(host.memory, slices)}
     tpu = accelerators.tpu_slice(config.accelerator, topology)
     pods = tpu.hosts * slices
     host = tpu.host_resources
@@ -63,6 +75,7 @@ def slice_quota(config: ClusterConfig, topology: str, slices: int) -> dict[str, 
 
 
 COVERED_RESOURCES = ("cpu", "memory", "ephemeral-storage", accelerators.TPU_RESOURCE)
+CPU_COVERED_RESOURCES = ("cpu", "memory")  # the CPU profile's pods request only these
 
 
 def cluster_queue(config: ClusterConfig) -> dict[str, Any]:
@@ -73,7 +86,9 @@ def cluster_queue(config: ClusterConfig) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "namespaceSelector": {},  # every namespace's LocalQueue may point here
         "queueingStrategy": "BestEffortFIFO",  # a run too big for the free quota lets smaller pass
-        "resourceGroups": [{"coveredResources": list(COVERED_RESOURCES), "flavors": flavors}],
+        "resourceGroups": [{"coveredResources": list(CPU_COVERED_RESOURCES if config.is_cpu
+                                                      else COVERED_RESOURCES),
+                            "flavors": flavors}],
     }
     if config.flex_start:
         spec["admissionChecksStrategy"] = {"admissionChecks": [{"name": FLEX_START_CHECK}]}

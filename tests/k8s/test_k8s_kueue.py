@@ -166,3 +166,25 @@ def test_cli_job_joins_a_queue(capsys):
     assert doc["metadata"]["labels"][kueue.QUEUE_LABEL] == "gemmalab"
     assert main(["job", "--queue", "Bad Queue"]) == 2
     assert "ConfigError: queue: 'Bad Queue' is not a LocalQueue name" in capsys.readouterr().err
+
+
+def test_a_queue_for_the_local_cpu_node_covers_what_its_pods_request():
+    """The CPU profile's queue: one flavor for the local node (its label), a quota of hosts at
+    once in the CPU and memory its pods request, schema-valid."""
+    config = ClusterConfig(accelerator="cpu", num_nodes=2, queue="local", queue_quota={"cpu": 2},
+                           params={"batch_size": 8})
+    objects = kueue.queue_objects(config)
+    for doc in objects:
+        assert not [e.message for e in kueue_validator(doc["kind"]).iter_errors(doc)], doc
+    flavor, queue = objects[0], objects[1]
+    assert flavor["spec"]["nodeLabels"] == {"gemmalab.dev/node": "cpu"}
+    [group] = queue["spec"]["resourceGroups"]
+    assert group["coveredResources"] == ["cpu", "memory"]
+    quota = {r["name"]: _quantity(r["nominalQuota"]) for r in group["flavors"][0]["resources"]}
+    [jobset] = manifests.build(config)
+    requests = pod_specs(jobset)[0]["containers"][0]["resources"]["requests"]
+    assert set(requests) == set(quota)
+    for name, value in requests.items():
+        assert _quantity(value) * pods(jobset) == quota[name]
+    with pytest.raises(ConfigError, match="^queue_quota: '1x1' is not the CPU node's"):
+        ClusterConfig(accelerator="cpu", queue="local", queue_quota={"1x1": 1})
