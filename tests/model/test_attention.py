@@ -3,9 +3,10 @@ gradients on packed rows (several segments, padding, sliding-window layers whose
 shorter than the row), with LoRA and remat, sharded over a mesh, and re-traced whenever the
 implementation changes. Splash runs in Pallas' interpreter here; the TPU compile is below.
 
-Tolerances: float32, 1e-5 of each tensor's scale (the kernels sum in another order). bfloat16:
-a fused kernel's error against the float32 reference is at most twice gemma's own bfloat16
-error plus 1% of the scale (the kernels keep scores in float32, gemma rounds them to bf16).
+Tolerances: float32, REORDERED_FLOAT32 of each tensor's scale (the kernels sum in another
+order). bfloat16: a fused kernel's error against the float32 reference is at most twice gemma's
+own bfloat16 error plus 1% of the scale (the kernels keep scores in float32, gemma rounds them to
+bf16).
 """
 
 import dataclasses
@@ -23,6 +24,7 @@ from gemmalab.errors import ConfigError
 from gemmalab.model import attention, lora, mesh, presets
 from gemmalab.train import aot, optimization
 from tests.helpers.models import short_tiny
+from tests.helpers.numerics import REORDERED_FLOAT32
 
 WINDOW = 16  # the tiny preset's local layers, narrowed well below the row
 LENGTH = 96  # not a multiple of splash's 128 lanes: the kernel's padding is exercised
@@ -169,9 +171,9 @@ def test_float32_loss_hidden_states_and_gradients_match_gemma(tiny, gemma_runs, 
     real = np.asarray(batch["segment_ids"]) > 0  # padding's outputs bear no loss
     want_loss, want_hidden, want_grads = gemma_runs(0)
     loss, hidden, grads = run(build(config, name), params, batch)
-    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
-    assert scaled_error(hidden, want_hidden, real) < 1e-5
-    assert worst_grad_error(grads, want_grads) < 1e-5
+    assert float(loss) == pytest.approx(float(want_loss), rel=REORDERED_FLOAT32)
+    assert scaled_error(hidden, want_hidden, real) < REORDERED_FLOAT32
+    assert worst_grad_error(grads, want_grads) < REORDERED_FLOAT32
 
 
 @pytest.mark.parametrize("name", FUSED)
@@ -212,8 +214,8 @@ def test_lora_adapters_train_through_the_fused_kernel(tiny, name):
     assert attention.kernel_of(model).name == name
     want_loss, _, want_grads = run(wrapped("gemma"), adapters, batch, frozen=params)
     loss, _, grads = run(model, adapters, batch, frozen=params)
-    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
-    assert worst_grad_error(grads, want_grads) < 1e-5
+    assert float(loss) == pytest.approx(float(want_loss), rel=REORDERED_FLOAT32)
+    assert worst_grad_error(grads, want_grads) < REORDERED_FLOAT32
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
 
 
@@ -223,8 +225,8 @@ def test_remat_recomputes_the_fused_kernel(tiny, gemma_runs):
     batch = packed_batch()
     want_loss, _, want_grads = gemma_runs(0)
     loss, _, grads = run(build(config, "dot_product", remat="full"), params, batch)
-    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
-    assert worst_grad_error(grads, want_grads) < 1e-5
+    assert float(loss) == pytest.approx(float(want_loss), rel=REORDERED_FLOAT32)
+    assert worst_grad_error(grads, want_grads) < REORDERED_FLOAT32
 
 
 @pytest.mark.slow
@@ -237,8 +239,8 @@ def test_splash_runs_each_devices_rows_and_heads_under_shard_map(tiny, gemma_run
     assert specs[0] == jax.sharding.PartitionSpec("data", "tensor", None, None)
     want_loss, _, want_grads = gemma_runs(0)
     loss, _, grads = run(build(config, "splash", mesh=device_mesh), params, batch)
-    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
-    assert worst_grad_error(grads, want_grads) < 1e-5
+    assert float(loss) == pytest.approx(float(want_loss), rel=REORDERED_FLOAT32)
+    assert worst_grad_error(grads, want_grads) < REORDERED_FLOAT32
 
 
 # --- tracing: the implementation is part of the model's static key ---------------------------
@@ -265,7 +267,7 @@ def test_switching_implementation_in_one_process_retraces(tiny, monkeypatch):
         assert ran == ([] if name == "gemma" else [name] * config.num_layers), name
     real = np.asarray(batch["segment_ids"]) > 0
     for name in FUSED:
-        assert scaled_error(outputs[name], outputs["gemma"], real) < 1e-5
+        assert scaled_error(outputs[name], outputs["gemma"], real) < REORDERED_FLOAT32
 
 
 @pytest.mark.slow
@@ -341,7 +343,10 @@ def test_a_run_trains_evaluates_and_samples_with_a_fused_kernel(tmp_path, cache_
         summary = experiment.train(progress=False)
         runs[name] = summary, experiment.sample(PROMPT, max_new_tokens=8).text
     (gemma, _), (fused, sample) = runs["gemma"], runs["dot_product"]
-    assert fused["initial_eval_loss"] == pytest.approx(gemma["initial_eval_loss"], rel=1e-5)
+    # The same params: float32 summed in another order; after 3 steps, the same grown by the
+    # updates.
+    assert fused["initial_eval_loss"] == pytest.approx(gemma["initial_eval_loss"],
+                                                       rel=REORDERED_FLOAT32)
     assert fused["final_eval_loss"] == pytest.approx(gemma["final_eval_loss"], rel=1e-4)
     assert isinstance(sample, str) and sample
 

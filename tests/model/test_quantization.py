@@ -13,6 +13,11 @@ from gemmalab.model import lora, mesh, presets, quantization, sharding
 from gemmalab.plan.shapes import abstract_params
 from gemmalab.train import optimization
 from tests.helpers.models import _batch, tiny_model
+from tests.helpers.numerics import (
+    REORDERED_FLOAT32,
+    assert_close_to_scale,
+    assert_trees_close_to_scale,
+)
 
 FORMATS = ("int8", "int4", "nf4")
 # NormalFloat-4's 16 values (QLoRA, appendix E): the widest gap, -1 to -0.6962, bounds its
@@ -131,9 +136,10 @@ def test_a_qlora_step_is_lora_over_the_dequantized_base():
 
         quantized = jax.value_and_grad(loss)(adapters, packed)
         plain = jax.value_and_grad(loss)(adapters, quantization.dequantized(packed))
-        np.testing.assert_allclose(quantized[0], plain[0], rtol=1e-6)
-        for a, b in zip(jax.tree.leaves(quantized[1]), jax.tree.leaves(plain[1]), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        # Decoded in the model (under a barrier) or before it: float32 summed in another order
+        # at most, at each gradient's own scale.
+        assert_close_to_scale(quantized[0], plain[0], REORDERED_FLOAT32)
+        assert_trees_close_to_scale(quantized[1], plain[1], REORDERED_FLOAT32)
 
 
 def test_quantization_is_refused_where_it_cannot_serve():

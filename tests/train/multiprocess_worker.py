@@ -34,7 +34,8 @@ def main() -> None:
 
     # fsdp over both processes: each holds and checkpoints only its shards.
     config = TrainConfig.flat(
-        data_path=data_path, cache_dir=f"{work_dir}/cache{process_id}",  # one cache per "host"
+        model="gemma3-tiny", data_path=data_path,
+        cache_dir=f"{work_dir}/cache{process_id}",  # one cache per "host"
         output_dir=f"{work_dir}/run", batch_size=8, maxlen=64, max_steps=6, eval_every=3,
         tokenizer_vocab_size=600, tokenize_workers=1, seed=5, mesh={"fsdp": -1},
         checkpoint_every=3, num_layers=2)
@@ -115,7 +116,8 @@ def data_across_processes(data_path: str, work_dir: str) -> None:
 
     parquet.iter_rows, token_cache._build_token_cache = logged_rows, logged_build
     config = resolution.resolve(TrainConfig.flat(
-        data_path=data_path, cache_dir=f"{work_dir}/cache{jax.process_index()}", batch_size=8,
+        model="gemma3-tiny", data_path=data_path,
+        cache_dir=f"{work_dir}/cache{jax.process_index()}", batch_size=8,
         maxlen=64, tokenizer_vocab_size=600, tokenize_workers=1, seed=5, eval_fraction=0.1,
         max_eval_stories=3)).config
     prepared = preparation.prepare_data(config)

@@ -13,6 +13,7 @@ from gemmalab.config import TrainConfig
 from gemmalab.model import lora, mesh, presets, sharding
 from gemmalab.train import optimization
 from tests.helpers.models import short_tiny, tiny_model
+from tests.helpers.numerics import REORDERED_FLOAT32, assert_trees_close_to_scale
 
 VOCAB, SIDE = 64, 7  # each side of a pair: SIDE tokens, the last 3 of them the reply
 
@@ -83,7 +84,9 @@ def test_the_step_loss_is_dpo_of_the_two_models_sequence_logps():
     expected = sum(-math.log(1 / (1 + math.exp(-m))) for m in margins)
     assert float(sums["pairs"]) == 4 and float(sums["count"]) == 4
     assert float(sums["useful_tokens"]) == 4 * 2 * 3
-    assert float(total) == pytest.approx(expected, rel=1e-4)
+    # The step's chunked loss against full logits: float32 summed in another order. The margins
+    # are differences of log-probs of ~12: their error is absolute.
+    assert float(total) == pytest.approx(expected, rel=REORDERED_FLOAT32)
     assert float(sums["reward_margin"]) == pytest.approx(sum(margins), rel=1e-3, abs=1e-4)
     assert float(sums["reward_accuracy"]) == sum(m > 0 for m in margins)
     # RPO (dpo_rpo_alpha): + alpha x each chosen reply's mean NLL over its 3 tokens.
@@ -92,8 +95,8 @@ def test_the_step_loss_is_dpo_of_the_two_models_sequence_logps():
     rpo_total, rpo_sums = optimization.loss_sums(model, policy, batch, jnp.float32, reference,
                                                  None, rpo_settings)
     chosen_nll = sum(-_sequence_logp(model, policy, pair[0]) / 3 for pair in pairs)
-    assert float(rpo_sums["dpo_loss"]) == pytest.approx(expected, rel=1e-4)
-    assert float(rpo_total) == pytest.approx(expected + 0.5 * chosen_nll, rel=1e-4)
+    assert float(rpo_sums["dpo_loss"]) == pytest.approx(expected, rel=REORDERED_FLOAT32)
+    assert float(rpo_total) == pytest.approx(expected + 0.5 * chosen_nll, rel=REORDERED_FLOAT32)
     assert rpo_settings == optimization.Preference.of(
         TrainConfig.flat(objective="dpo", dpo_beta=beta, dpo_rpo_alpha=0.5).dpo, model, 4,
         adapters=False)
@@ -113,9 +116,9 @@ def test_packed_and_one_pair_per_row_give_the_same_step():
 
     packed, packed_grad = value_and_grad(_rows(pairs, pairs_per_row=2, maxlen=32))
     alone, alone_grad = value_and_grad(_rows(pairs, pairs_per_row=1, maxlen=16))
-    assert float(packed) == pytest.approx(float(alone), rel=1e-5)
-    for a, b in zip(jax.tree.leaves(packed_grad), jax.tree.leaves(alone_grad), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
+    # Other rows, other programs: float32 summed in another order, at each gradient's scale.
+    assert float(packed) == pytest.approx(float(alone), rel=REORDERED_FLOAT32)
+    assert_trees_close_to_scale(packed_grad, alone_grad, REORDERED_FLOAT32)
 
 
 @pytest.mark.slow  # 16-35 s on 2 cores, compiling the DPO losses and steps
@@ -179,8 +182,9 @@ def test_train_step_accumulates_pairs_over_micro_batches_and_learns(lora_rank):
     one, two = results[1], results[2]
     assert one[0]["loss"] == pytest.approx(math.log(2), rel=1e-5)  # policy = reference at first
     assert one[0]["pairs"] == 16 and one[0]["useful_tokens"] == 16 * 2 * 3
-    for a, b in zip(one, two, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+    for a, b in zip(one, two, strict=True):  # micro-batches: float32 summed in another order
+        assert b["loss"] == pytest.approx(a["loss"], rel=REORDERED_FLOAT32)
+        # A norm over the whole gradient, after updates that grow its reordering (observed 5e-6).
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
     assert one[-1]["reward_margin"] > 0.05 and one[-1]["loss"] < math.log(2) - 0.02
     assert one[-1]["reward_accuracy"] > 0.5 and one[-1]["kl_estimate"] != 0.0
@@ -249,9 +253,10 @@ def test_evaluate_reports_the_pairs_means_and_the_chosen_replies_perplexity():
                                      device_mesh, jax.device_put(reference, shardings))
     chosen = [_sequence_logp(model, policy, pair[0]) for pair in pairs]
     assert held_out["eval_pairs"] == 16
-    assert held_out["eval_chosen_logp"] == pytest.approx(np.mean(chosen), rel=1e-4)
+    # The mesh's chunked eval step against full logits: float32 summed in another order.
+    assert held_out["eval_chosen_logp"] == pytest.approx(np.mean(chosen), rel=REORDERED_FLOAT32)
     assert held_out["eval_perplexity"] == pytest.approx(math.exp(-np.sum(chosen) / (16 * 3)),
-                                                        rel=1e-4)
+                                                        rel=REORDERED_FLOAT32)
     margins = [0.1 * ((_sequence_logp(model, policy, p[0]) - _sequence_logp(model, reference,
                                                                              p[0]))
                       - (_sequence_logp(model, policy, p[1]) - _sequence_logp(model, reference,
@@ -259,7 +264,7 @@ def test_evaluate_reports_the_pairs_means_and_the_chosen_replies_perplexity():
                for p in pairs]
     assert held_out["eval_reward_accuracy"] == pytest.approx(np.mean(np.asarray(margins) > 0))
     assert held_out["eval_loss"] == pytest.approx(
-        np.mean([math.log1p(math.exp(-m)) for m in margins]), rel=1e-4)
+        np.mean([math.log1p(math.exp(-m)) for m in margins]), rel=REORDERED_FLOAT32)
 
 
 @pytest.mark.slow
@@ -271,7 +276,8 @@ def test_a_killed_dpo_run_resumes_exactly_with_its_reference_read_again(tmp_path
     from tests.helpers.runs import crashed_run
 
     def config(name):
-        return TrainConfig.flat(objective="dpo", embedded_stories=60, tokenizer_vocab_size=2048,
+        return TrainConfig.flat(model="gemma3-tiny", objective="dpo", embedded_stories=60,
+                           tokenizer_vocab_size=2048,
                            cache_dir=str(cache_dir), output_dir=str(tmp_path / name),
                            batch_size=8, maxlen=512, max_steps=7, eval_every=0,
                            checkpoint_every=3, tokenize_workers=1, seed=2,

@@ -38,7 +38,7 @@ def test_the_dpo_reference_is_the_quantized_base_with_the_adapters_off():
 
 
 def _config(tmp_path, cache_dir, stories_file, name, **overrides):
-    values = dict(data_path=str(stories_file), cache_dir=str(cache_dir),
+    values = dict(model="gemma3-tiny", data_path=str(stories_file), cache_dir=str(cache_dir),
                   output_dir=str(tmp_path / name), batch_size=8, maxlen=64, max_steps=10,
                   eval_every=5, checkpoint_every=4, tokenizer_vocab_size=600,
                   tokenize_workers=1, seed=5, compute_dtype="float32", lora_rank=4,

@@ -28,7 +28,7 @@ from tests.helpers.runs import Crash, _crash_at, _losses, _metric_rows, crashed_
 
 
 def _config(tmp_path, cache_dir, stories_file, name, **overrides):
-    values = dict(data_path=str(stories_file), cache_dir=str(cache_dir),
+    values = dict(model="gemma3-tiny", data_path=str(stories_file), cache_dir=str(cache_dir),
                   output_dir=str(tmp_path / name), batch_size=8, maxlen=64, max_steps=12,
                   eval_every=6, checkpoint_every=4, tokenizer_vocab_size=600,
                   tokenize_workers=1, seed=5, compute_dtype="float32", num_layers=2)
@@ -395,7 +395,8 @@ def test_papermill_runs_survive_sigkill_and_sigterm(tmp_path, cache_dir, stories
     assert steps == list(range(1, 33))
 
     reference = Experiment.prepare(TrainConfig.flat(
-        data_path=str(stories_file), cache_dir=str(cache_dir), output_dir=str(tmp_path / "ref"),
+        model="gemma3-tiny", data_path=str(stories_file), cache_dir=str(cache_dir),
+        output_dir=str(tmp_path / "ref"),
         batch_size=16, maxlen=128, max_steps=32, eval_every=0, checkpoint_every=8,
         tokenizer_vocab_size=600, tokenize_workers=1, seed=5, compute_dtype="float32",
         num_layers=2))
