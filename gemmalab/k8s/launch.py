@@ -58,11 +58,13 @@ OUTPUTS_ROOT_FIX = ("set outputs_root to a folder that holds the runs' outputs (
                     "network access to the bucket")
 
 
-def outputs_root(given: str, outputs_bucket: str) -> str:
-    """Where launch.ipynb reads its runs' outputs: ``given``, else the outputs bucket; refused
-    in one line naming ``outputs_root`` when it cannot be read from here."""
+def outputs_root(given: str, outputs_bucket: str, *, read: bool = True) -> str:
+    """Where launch.ipynb finds its runs' outputs: ``given``, else the outputs bucket. When it
+    will ``read`` them, refused in one line naming ``outputs_root`` if they cannot be read from
+    here."""
     root = given or f"gs://{outputs_bucket}"
-    storage.require_reachable("outputs_root", root, fix=OUTPUTS_ROOT_FIX)
+    if read:
+        storage.require_reachable("outputs_root", root, fix=OUTPUTS_ROOT_FIX)
     return root.rstrip("/")
 
 

@@ -71,3 +71,5 @@ def test_an_outputs_bucket_that_cannot_be_read_from_here_is_one_line_naming_outp
     with pytest.raises(ConfigError, match="^outputs_root: gs://b is on Google Cloud Storage but "
                        "no credentials were found"):
         launch.outputs_root("gs://b", "ignored")
+    # Nothing submitted, nothing read: the bucket is only named (launch.ipynb's submit=False).
+    assert launch.outputs_root("", "b", read=False) == "gs://b"
