@@ -5,6 +5,8 @@
 #   docker build --target tpu -t us-east5-docker.pkg.dev/PROJECT/gemmalab/gemmalab-tpu:0.1.0 .
 #   docker build --target gpu -t us-east5-docker.pkg.dev/PROJECT/gemmalab/gemmalab-gpu:0.1.0 .
 #   docker build --target cpu -t gemmalab-cpu . && docker run --rm gemmalab-cpu   # local check
+#   python -m gemmalab.k8s.cluster image --target cpu   # no Docker, no registry: buildah on a
+#       local stand-in for python:3.12-slim-bookworm (gemmalab/k8s/cluster/image.py)
 #
 # Every Python package comes from uv.lock (`uv sync --frozen`). Only the accelerator runtime
 # (libtpu, or the CUDA plugin) and jupyterhub's single-user server are added on top, constrained
@@ -26,7 +28,11 @@ ENV UV_PROJECT_ENVIRONMENT=/opt/venv \
     UV_COMPILE_BYTECODE=1 \
     UV_LINK_MODE=copy \
     UV_NO_CACHE=1
-RUN pip install --no-cache-dir "uv==${UV_VERSION}"
+# A build host behind a TLS-inspecting proxy mounts its CA bundle into the RUN steps and names it
+# here (gemmalab/k8s/cluster/image.py: buildah's --volume): uv and pip trust it. Unset by
+# default; an ARG, so each builder stage declares it and no image keeps it.
+ARG SSL_CERT_FILE
+RUN pip install --no-cache-dir ${SSL_CERT_FILE:+--cert "$SSL_CERT_FILE"} "uv==${UV_VERSION}"
 WORKDIR /src
 COPY pyproject.toml uv.lock requirements.txt README.md ./
 # Locked dependencies first (a cached layer while only gemmalab changes), then gemmalab itself.
@@ -41,20 +47,28 @@ RUN uv pip install --python /opt/venv/bin/python --constraint requirements.txt \
 
 FROM builder AS builder-tpu
 # jax[tpu] at the locked jax version adds libtpu (the TPU runtime); jax/jaxlib stay as locked.
+# libtpu comes from PyPI, the release uv.lock holds (its tpu-compile group), no other index.
 ARG JAX_VERSION=0.12.0.1
 ARG LIBTPU_VERSION=0.0.50.1
+ARG SSL_CERT_FILE
 RUN uv pip install --python /opt/venv/bin/python --constraint requirements.txt \
-        --find-links https://storage.googleapis.com/jax-releases/libtpu_releases.html \
         "jax[tpu]==${JAX_VERSION}" "libtpu==${LIBTPU_VERSION}"
 
 FROM builder AS builder-gpu
 ARG JAX_VERSION=0.12.0.1
+ARG SSL_CERT_FILE
 RUN uv pip install --python /opt/venv/bin/python --constraint requirements.txt \
         "jax[cuda12]==${JAX_VERSION}"
 
 # ---- runtime: no uv, no pip, no compiler; a non-root user ---------------------------------------
 FROM python AS runtime
-RUN groupadd --gid 1000 gemmalab \
+# libatomic1: the one library beyond glibc that mimalloc links (cmeel-mimalloc's libmimalloc.so.3),
+# absent from the slim base; without it the CPU image's entry point, where gemmalab.allocator
+# chooses mimalloc, dies before Python starts (libatomic.so.1: cannot open shared object file).
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends libatomic1 \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --gid 1000 gemmalab \
  && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/gemmalab --shell /bin/bash \
         gemmalab \
  && python -m pip uninstall --yes pip

@@ -22,7 +22,7 @@ export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 DEMO_DIR ?= runs/demo
 
 .PHONY: help env libtpu interop llamacpp peers peers-lock demo demo-tiny test test-fast test-numerics lint lock notebooks lab image clean \
-	cluster cluster-down cluster-programs etcd
+	cluster cluster-down cluster-programs etcd node-packages cluster-load-image
 
 help:
 	@echo "make demo   - set up, then fine-tune the embedded pretrained Gemma 3 270M offline (train.ipynb)"
@@ -196,11 +196,20 @@ export CLUSTER_PORT ?= 16400
 etcd:
 	@command -v etcd >/dev/null || scripts/install-etcd
 
-cluster-programs: $(STAMP) etcd
+# As root the cluster also runs one real CPU node (kubelet, containerd, CoreDNS on its own bridge
+# gemmalab0, 10.245.0.0/24) with Debian's runc and CNI plugins; CLUSTER_CPU_NODE=0 leaves it out.
+node-packages:
+	@if [ "$$(id -u)" = 0 ] && [ "$${CLUSTER_CPU_NODE:-1}" != 0 ]; then scripts/install-node-packages; fi
+
+cluster-programs: $(STAMP) etcd node-packages
 	$(CLUSTER) build
 
-cluster: $(STAMP) etcd
+cluster: $(STAMP) etcd node-packages
 	@$(CLUSTER) up
+
+# An OCI or docker-archive tar into the CPU node's containerd: IMAGE_ARCHIVE=path.tar
+cluster-load-image: $(STAMP)
+	@$(CLUSTER) load-image $(IMAGE_ARCHIVE)
 
 cluster-down: $(STAMP)
 	@$(CLUSTER) down

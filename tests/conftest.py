@@ -93,7 +93,7 @@ def local_cluster() -> Iterator[LocalCluster]:
     from gemmalab.k8s.cluster import stack
 
     layout = stack.Layout.default()
-    already_running = (stack.running_components(layout) == list(stack.COMPONENTS)
+    already_running = (stack.running_components(layout) == stack.expected_components(layout)
                        and stack.api_ready(layout))
     stack.up(layout, log=lambda line: print(f"[cluster] {line}", flush=True))
     api = k8s_config.new_client_from_config(config_file=str(layout.kubeconfig))
@@ -133,7 +133,8 @@ def run_namespace(local_cluster: LocalCluster, request) -> Iterator[str]:
 NOTEBOOK_COPIES = "tests/notebooks/"
 # The tests against the local Kubernetes share one worker: one cluster started (or reused) once,
 # and runs that never compete for its fake nodes.
-LOCAL_CLUSTER_FILES = ("tests/k8s/test_k8s_cluster.py", "tests/k8s/test_k8s_client.py")
+LOCAL_CLUSTER_FILES = ("tests/k8s/test_k8s_cluster.py", "tests/k8s/test_k8s_client.py",
+                       "tests/k8s/test_k8s_cpu_node.py")
 # The longest first, so that no worker is left with a long one at the end while the others idle
 # (``--no-loadscope-reorder`` keeps this order).
 LONGEST_FIRST = ("notebook-copies", "tests/model/test_attention.py", "tests/test_plan.py",

@@ -24,6 +24,16 @@ KUBERNETES_VERSION = "v1.36.3"  # cluster/controlplane/go.mod requires it
 JOBSET_VERSION = "v0.11.1"  # what scripts/gke/install-jobset.sh installs on GKE
 KUEUE_VERSION = "v0.19.2"  # what scripts/gke/install-kueue.sh installs (gemmalab.k8s.kueue)
 KWOK_VERSION = "v0.8.0"
+# The CPU node (gemmalab/k8s/cluster/node.py): the kubelet of the same Kubernetes, containerd 2.2
+# (the kubelet 1.36 needs a 2.x CRI), CoreDNS for the pods' names, and a pause of our own for the
+# pod sandboxes (registry.k8s.io/pause cannot be pulled here). runc and the CNI plugins are
+# Debian's (scripts/install-node-packages).
+NODE_SOURCE = REPO_ROOT / "cluster" / "node"
+PAUSE_SOURCE = REPO_ROOT / "cluster" / "pause"
+CONTAINERD_VERSION = "v2.2.9"
+COREDNS_VERSION = "v1.15.0"
+# The storage drivers that need C libraries or kernels this node does not use.
+CONTAINERD_TAGS = ("no_btrfs", "no_devmapper", "no_zfs", "no_aufs")
 MIN_GO = (1, 26)  # the newest go.mod among them says go 1.26.0
 
 
@@ -43,6 +53,9 @@ class Program:
     version: str
     package: str = "."
     local_source: Path | None = None
+    tags: tuple[str, ...] = ()
+    # -X flags' package for the version (Kubernetes' component-base, containerd's own).
+    version_package: str | None = None
 
     @property
     def key(self) -> str:
@@ -50,7 +63,8 @@ class Program:
             return f"{self.name}-{self.version}"
         digest = hashlib.sha256()
         for file in ("go.mod", "go.sum", "main.go"):
-            digest.update((self.local_source / file).read_bytes())
+            if (self.local_source / file).is_file():
+                digest.update((self.local_source / file).read_bytes())
         return f"{self.name}-{self.version}-{digest.hexdigest()[:12]}"
 
     def path(self) -> Path:
@@ -66,12 +80,25 @@ def _version_flags(prefix: str, version: str) -> str:
 
 # kube-apiserver, kube-controller-manager, kube-scheduler and kubectl in one binary (its main
 # dispatches on the first argument): the shared Kubernetes packages compile and link once.
+K8S_VERSION_PACKAGE = "k8s.io/component-base/version"
 CONTROL_PLANE = Program("kube", "k8s.io/kubernetes", KUBERNETES_VERSION,
-                        local_source=CONTROL_PLANE_SOURCE)
+                        local_source=CONTROL_PLANE_SOURCE, version_package=K8S_VERSION_PACKAGE)
 JOBSET = Program("jobset", "sigs.k8s.io/jobset", JOBSET_VERSION)
 KUEUE = Program("kueue", "sigs.k8s.io/kueue", KUEUE_VERSION, "./cmd/kueue")
 KWOK = Program("kwok", "sigs.k8s.io/kwok", KWOK_VERSION, "./cmd/kwok")
 PROGRAMS = (CONTROL_PLANE, JOBSET, KUEUE, KWOK)
+
+KUBELET = Program("kubelet", "k8s.io/kubernetes", KUBERNETES_VERSION, local_source=NODE_SOURCE,
+                  version_package=K8S_VERSION_PACKAGE)
+CONTAINERD = "github.com/containerd/containerd/v2"
+_containerd = {"module": CONTAINERD, "version": CONTAINERD_VERSION, "tags": CONTAINERD_TAGS}
+CONTAINERD_PROGRAMS = tuple(
+    Program(name, package=f"./cmd/{name}", **_containerd)
+    for name in ("containerd", "containerd-shim-runc-v2", "ctr"))
+CTR = CONTAINERD_PROGRAMS[2]
+COREDNS = Program("coredns", "github.com/coredns/coredns", COREDNS_VERSION)
+PAUSE = Program("pause", "gemmalab.local/pause", "v1", local_source=PAUSE_SOURCE)
+NODE_PROGRAMS = (KUBELET, *CONTAINERD_PROGRAMS, COREDNS, PAUSE)
 
 
 def go_command() -> str:
@@ -125,17 +152,21 @@ def build(program: Program, go: str, log=print) -> Path:
     log_file = cluster_home() / "build" / f"{program.key}.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     ldflags = "-s -w"
+    if program.version_package is not None:
+        ldflags += " " + _version_flags(program.version_package, program.version)
+    if program.module == CONTAINERD:  # else it says 2.2.9+unknown
+        ldflags += f" -X {CONTAINERD}/version.Version={program.version.lstrip('v')}"
     if program.local_source is not None:
-        ldflags += " " + _version_flags("k8s.io/component-base/version", program.version)
         cwd = program.local_source
     else:
         # Not `go install module@version`: that asks the proxy for the module's version list,
         # which the proxy refuses for some (JobSet's: 403).
         cwd = module_dir(go, program.module, program.version)
-    command = [go, "build", "-o", str(staging / program.name), "-ldflags", ldflags,
+    tags = ["-tags", ",".join(program.tags)] if program.tags else []
+    command = [go, "build", "-o", str(staging / program.name), "-ldflags", ldflags, *tags,
                program.package]
-    log(f"building {program.name} {program.version} (once per machine; all four take ~10 min "
-        f"on 2 cores), log: {log_file}")
+    log(f"building {program.name} {program.version} (once per machine; on 2 cores ~10 min for "
+        f"the control plane, ~6 more for the CPU node), log: {log_file}")
     with open(log_file, "w") as out:
         done = subprocess.run(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                               env=_go_env())
@@ -150,6 +181,9 @@ def build(program: Program, go: str, log=print) -> Path:
     return target
 
 
-def build_all(log=print, go: str | None = None) -> dict[str, Path]:
+def build_all(log=print, go: str | None = None, *, node: bool = True) -> dict[str, Path]:
+    """Every program's binary by name: the control plane's, and the CPU node's unless ``node``
+    is false."""
     go = go or go_command()
-    return {program.name: build(program, go, log) for program in PROGRAMS}
+    programs = PROGRAMS + (NODE_PROGRAMS if node else ())
+    return {program.name: build(program, go, log) for program in programs}

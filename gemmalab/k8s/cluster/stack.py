@@ -2,7 +2,9 @@
 
 Everything runs as plain processes of the user's, on 127.0.0.1 ports from ``CLUSTER_PORT``
 (default 16400) up, with its state (etcd's data, keys, logs, pid files, the kubeconfig) in
-``<cluster home>/run``. ``up`` is idempotent: a cluster that answers is reused.
+``<cluster home>/run``. ``up`` is idempotent: a cluster that answers is reused. As root, the
+stack includes a real CPU node (``node``: containerd, kubelet, CoreDNS on the bridge
+``gemmalab0``); ``down`` takes away everything it made on the machine.
 """
 
 from __future__ import annotations
@@ -10,11 +12,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
-import dataclasses
 import fcntl
-import os
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -26,15 +25,15 @@ from typing import Any
 
 import yaml
 
-from gemmalab.k8s.cluster import build, nodes, pki
+from gemmalab.k8s.cluster import build, network, node, nodes, pki, processes
 from gemmalab.k8s.cluster.errors import ClusterError
+from gemmalab.k8s.cluster.layout import DEFAULT_BASE_PORT, PORT_OFFSETS, Layout
 
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-              "jobset", "kueue", "kwok")  # in start order
-DEFAULT_BASE_PORT = 16400
-# Offsets from the base port; every one is bound on 127.0.0.1 only.
-PORT_OFFSETS = {"etcd": 0, "etcd-peer": 1, "kube-apiserver": 2, "kube-controller-manager": 3,
-                "kube-scheduler": 4, "jobset-webhook": 5, "kueue-webhook": 6, "kwok": 7}
+__all__ = ["DEFAULT_BASE_PORT", "PORT_OFFSETS", "Layout", "up", "down", "running_components"]
+
+CONTROL_PLANE_COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager",
+                            "kube-scheduler", "jobset", "kueue", "kwok")
+COMPONENTS = CONTROL_PLANE_COMPONENTS + node.COMPONENTS  # in start order
 # What `make cluster` applies once the controllers run, as scripts/gke/*.sh do on GKE: the
 # runs' service account (GKE: setup-storage.sh) and the queue (install-kueue.sh).
 RUNNER_SERVICE_ACCOUNT = "gemmalab-runner"
@@ -54,48 +53,6 @@ KUEUE_WEBHOOK_GROUPS = {"batch", "jobset.x-k8s.io", "kueue.x-k8s.io"}
 KUEUE_CERT_SECRET = "kueue-webhook-server-cert"
 KUEUE_CONVERTED_CRDS = ("localqueues", "clusterqueues", "cohorts", "workloads",
                         "multikueueclusters")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where one cluster lives: its folder and its ports."""
-
-    root: Path
-    base_port: int
-
-    @classmethod
-    def default(cls) -> Layout:
-        port = os.environ.get("CLUSTER_PORT") or DEFAULT_BASE_PORT
-        try:
-            base_port = int(port)
-        except ValueError:
-            raise ClusterError(f"CLUSTER_PORT={port!r} is not a port number",
-                               "use a number such as 16400") from None
-        if not 1024 <= base_port <= 65535 - len(PORT_OFFSETS):
-            raise ClusterError(f"CLUSTER_PORT={base_port} is outside 1024-65527",
-                               "use a number such as 16400")
-        return cls(build.cluster_home() / "run", base_port)
-
-    def port(self, name: str) -> int:
-        return self.base_port + PORT_OFFSETS[name]
-
-    @property
-    def pki(self) -> Path:
-        return self.root / "pki"
-
-    @property
-    def kubeconfig(self) -> Path:
-        return self.root / "kubeconfig"
-
-    @property
-    def server(self) -> str:
-        return f"https://127.0.0.1:{self.port('kube-apiserver')}"
-
-    def log(self, name: str) -> Path:
-        return self.root / "logs" / f"{name}.log"
-
-    def pid_file(self, name: str) -> Path:
-        return self.root / "pids" / f"{name}.pid"
 
 
 def _tls_context(layout: Layout) -> ssl.SSLContext:
@@ -138,66 +95,12 @@ def check_ports(layout: Layout) -> None:
                 "CLUSTER_PORT for make cluster-down and make test)")
 
 
-# --- processes ------------------------------------------------------------------------------
-
-def _alive(layout: Layout, name: str) -> int | None:
-    """The pid of component ``name`` if it still runs (and is the program we started)."""
-    try:
-        pid = int(layout.pid_file(name).read_text())
-        command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if not command:  # a zombie, or a process in the middle of its exec (seen under load)
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            return None if state in ("Z", "X") else pid
-    except (OSError, ValueError, IndexError):
-        return None
-    return pid if layout.root.as_posix().encode() in command else None
-
-
-def _start(layout: Layout, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-    layout.log(name).parent.mkdir(parents=True, exist_ok=True)
-    layout.pid_file(name).parent.mkdir(parents=True, exist_ok=True)
-    # Every command line names the cluster folder (flags or --kubeconfig), which _alive checks.
-    with open(layout.log(name), "ab") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True,
-                                   env={**os.environ, **(env or {})}, cwd=layout.root)
-    layout.pid_file(name).write_text(str(process.pid))
-
-
-def _wait(what: str, ready: Callable[[], bool], layout: Layout, component: str,
-          timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if ready():
-            return
-        if _alive(layout, component) is None:
-            raise ClusterError(f"{component} exited while starting: "
-                               f"{_last_line(layout.log(component))}",
-                               f"read {layout.log(component)}")
-        time.sleep(0.2)
-    raise ClusterError(f"{what} was not ready after {timeout_s:.0f} s: "
-                       f"{_last_line(layout.log(component))}", f"read {layout.log(component)}")
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return "no log"
-    return (lines or ["no log"])[-1].strip()[:300]
-
-
-def _listening(port: int) -> Callable[[], bool]:
-    def check() -> bool:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return True
-        return False
-    return check
-
+# --- kubectl -------------------------------------------------------------------------------
 
 def kubectl(layout: Layout, *args: str, stdin: str | None = None) -> str:
     binary = build.CONTROL_PLANE.path()
-    done = subprocess.run([str(binary), "kubectl", f"--kubeconfig={layout.kubeconfig}", *args],
+    done = subprocess.run([str(binary), "kubectl", f"--kubeconfig={layout.kubeconfig}",
+                           f"--cache-dir={layout.root / 'kubectl-cache'}", *args],
                           input=stdin, capture_output=True, text=True)
     if done.returncode != 0:
         raise ClusterError(f"kubectl {' '.join(args[:2])} failed: "
@@ -314,8 +217,13 @@ def _control_plane_args(layout: Layout, kube: Path) -> dict[str, list[str]]:
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki_dir / 'service-accounts.pub'}",
             f"--service-account-signing-key-file={pki_dir / 'service-accounts.key'}",
-            "--service-cluster-ip-range=10.96.0.0/16", "--authorization-mode=RBAC",
+            f"--service-cluster-ip-range={network.SERVICE_CIDR}", "--authorization-mode=RBAC",
             "--allow-privileged=true", "--profiling=false",
+            # Logs and exec through the CPU node's kubelet, which asks for a client certificate
+            # of the cluster's CA, at its InternalIP (its Hostname, cpu-0, resolves nowhere).
+            f"--kubelet-client-certificate={pki_dir / 'admin.crt'}",
+            f"--kubelet-client-key={pki_dir / 'admin.key'}",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
             # Streaming lists (WatchList) need etcd's progress requests, which Debian's etcd
             # 3.4 lacks: watches that asked for them ended at once, and kwok, relisting after
             # each, saw pods 30-60 s late. Off, the API server serves plain list + watch.
@@ -326,7 +234,9 @@ def _control_plane_args(layout: Layout, kube: Path) -> dict[str, list[str]]:
             f"--service-account-private-key-file={pki_dir / 'service-accounts.key'}",
             f"--root-ca-file={pki_dir / 'ca.crt'}", "--use-service-account-credentials=false",
             # kwok's heartbeat comes every 20-45 s; the default 50 s grace would flap nodes.
-            "--node-monitor-grace-period=120s", "--profiling=false"],
+            "--node-monitor-grace-period=120s", "--profiling=false",
+            # Its default, /usr/libexec/kubernetes/kubelet-plugins/volume/exec, it would make.
+            f"--flex-volume-plugin-dir={layout.root / 'flex-volume-plugins'}"],
         "kube-scheduler": [
             str(kube), "kube-scheduler", *client_auth, f"--secure-port={p('kube-scheduler')}",
             "--profiling=false"],
@@ -377,44 +287,61 @@ def _locked(layout: Layout) -> Iterator[None]:
 
 
 def running_components(layout: Layout) -> list[str]:
-    return [name for name in COMPONENTS if _alive(layout, name) is not None]
+    return [name for name in COMPONENTS if processes.alive(layout, name) is not None]
+
+
+def expected_components(layout: Layout) -> list[str]:
+    """What a whole cluster runs here: the control plane, and the CPU node where it can run
+    (root, CLUSTER_CPU_NODE not 0, no other cluster's node on this machine)."""
+    with_node = (node.disabled_reason(layout) is None
+                 or processes.alive(layout, "kubelet") is not None)
+    return list(COMPONENTS if with_node else CONTROL_PLANE_COMPONENTS)
 
 
 def up(layout: Layout | None = None, log: Callable[[str], None] = print) -> Layout:
     """Build what is missing, start what is not running, and return the cluster's layout."""
     layout = layout or Layout.default()
     with _locked(layout):
-        if running_components(layout) == list(COMPONENTS) and api_ready(layout):
+        if running_components(layout) == expected_components(layout) and api_ready(layout):
             log(f"reusing the cluster already running at {layout.server}")
             return layout
         # The cheap checks first: a busy port or a missing etcd is said before a long build.
         _stop_all(layout)
+        if removed := node.cleanup(layout, wipe=False):  # what a killed node left
+            log(f"removed what the last CPU node left: {', '.join(removed)}")
         check_ports(layout)
         if shutil.which("etcd") is None:
             raise ClusterError("etcd is not installed",
                                "install Debian's etcd-server (sudo apt-get install etcd-server)")
         go = build.go_command()
-        binaries = build.build_all(log, go)
+        without_node = node.disabled_reason(layout)
+        if without_node is None:
+            node.check(layout)
+        binaries = build.build_all(log, go, node=without_node is None)
         started = time.monotonic()
-        _start_stack(layout, binaries, go, log)
+        _start_stack(layout, binaries, go, log, with_node=without_node is None)
+        if without_node is not None:
+            log(f"no CPU node: {without_node}")
         log(f"cluster up in {time.monotonic() - started:.1f} s")
         return layout
 
 
 def _start_stack(layout: Layout, binaries: dict[str, Path], go: str,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], *, with_node: bool) -> None:
     pki.ensure(layout.pki)
     layout.kubeconfig.write_text(pki.kubeconfig(layout.pki, layout.server))
     ca_bundle = base64.b64encode((layout.pki / "ca.crt").read_bytes()).decode()
     args = _control_plane_args(layout, binaries["kube"])
     kube_env = {"KUBECONFIG": str(layout.kubeconfig)}
 
-    _start(layout, "etcd", args["etcd"])
-    _wait("etcd", _listening(layout.port("etcd")), layout, "etcd")
-    _start(layout, "kube-apiserver", args["kube-apiserver"])
-    _wait("the API server", lambda: api_ready(layout), layout, "kube-apiserver")
+    processes.start(layout, "etcd", args["etcd"])
+    processes.wait("etcd", processes.listening(layout.port("etcd")), layout, "etcd")
+    processes.start(layout, "kube-apiserver", args["kube-apiserver"])
+    processes.wait("the API server", lambda: api_ready(layout), layout, "kube-apiserver")
     for name in ("kube-controller-manager", "kube-scheduler"):
-        _start(layout, name, args[name])
+        processes.start(layout, name, args[name])
+    if with_node:  # it registers while the controllers start
+        node.start(layout, binaries, log)
 
     jobset_source = build.module_dir(go, "sigs.k8s.io/jobset", build.JOBSET_VERSION)
     kueue_source = build.module_dir(go, "sigs.k8s.io/kueue", build.KUEUE_VERSION)
@@ -433,31 +360,44 @@ def _start_stack(layout: Layout, binaries: dict[str, Path], go: str,
         path = layout.root / f"{name}-config.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         extra = ["--feature-gates=VisibilityOnDemand=false"] if name == "kueue" else []
-        _start(layout, name, [str(binaries[name]), f"--config={path}", *extra], kube_env)
+        processes.start(layout, name, [str(binaries[name]), f"--config={path}", *extra], kube_env)
     (layout.root / "kwok.yaml").write_text(
         yaml.safe_dump_all(kwok_config(kwok_source), sort_keys=False))
     # The nodes' kubelet endpoint is kwok's own server on loopback: the API server reads pod
     # logs from it (kubectl logs, client.tail_logs) as it would from a kubelet.
-    _start(layout, "kwok", [
+    processes.start(layout, "kwok", [
         str(binaries["kwok"]), f"--kubeconfig={layout.kubeconfig}",
         f"--config={layout.root / 'kwok.yaml'}", "--manage-all-nodes=false",
         f"--manage-nodes-with-annotation-selector={nodes.KWOK_ANNOTATION}=fake",
-        "--node-lease-duration-seconds=0", "--cidr=10.244.0.0/16", "--node-ip=127.0.0.1",
+        "--node-lease-duration-seconds=0", f"--cidr={network.KWOK_POD_CIDR}", "--node-ip=127.0.0.1",
         f"--node-port={layout.port('kwok')}",
         f"--server-address=127.0.0.1:{layout.port('kwok')}",
         f"--tls-cert-file={layout.pki / 'serving.crt'}",
         f"--tls-private-key-file={layout.pki / 'serving.key'}"])
     for name, port in (("jobset", "jobset-webhook"), ("kueue", "kueue-webhook")):
-        _wait(f"{name}'s webhook server", _listening(layout.port(port)), layout, name,
-              timeout_s=120)
+        processes.wait(f"{name}'s webhook server", processes.listening(layout.port(port)),
+                       layout, name, timeout_s=120)
     _apply(layout, nodes.fake_nodes())
     kubectl(layout, "wait", "--for=condition=Ready", "--timeout=60s", "node", "--all")
     _apply(layout, [{"apiVersion": "v1", "kind": "ServiceAccount",
                      "metadata": {"name": RUNNER_SERVICE_ACCOUNT, "namespace": "default"}}])
     _apply_with_retry(layout, _load(QUEUE_MANIFEST))
+    if with_node:
+        _wait_for_node(layout, node.NODE_NAME)
     log(f"nodes: {len(nodes.fake_nodes())} fake TPU v6e hosts ({', '.join(
-        f'{p.slices} x {p.topology}' for p in nodes.DEFAULT_POOLS)} slices); "
-        f"queue: {QUEUE_MANIFEST.relative_to(build.REPO_ROOT)}")
+        f'{p.slices} x {p.topology}' for p in nodes.DEFAULT_POOLS)} slices)"
+        + (f", 1 real CPU node ({node.NODE_NAME})" if with_node else "")
+        + f"; queue: {QUEUE_MANIFEST.relative_to(build.REPO_ROOT)}")
+
+
+def _wait_for_node(layout: Layout, name: str, timeout_s: float = 90) -> None:
+    """Until the kubelet's node has registered and turned Ready."""
+    def registered() -> bool:
+        return bool(kubectl(layout, "get", "node", "--ignore-not-found", "-o", "name",
+                            f"--field-selector=metadata.name={name}").strip())
+    processes.wait(f"node {name}", registered, layout, "kubelet", timeout_s=timeout_s)
+    kubectl(layout, "wait", "--for=condition=Ready", f"--timeout={timeout_s:.0f}s",
+            f"node/{name}")
 
 
 def _apply_with_retry(layout: Layout, docs: list[dict[str, Any]], timeout_s: float = 60) -> None:
@@ -473,28 +413,24 @@ def _apply_with_retry(layout: Layout, docs: list[dict[str, Any]], timeout_s: flo
 
 
 def _stop_all(layout: Layout, timeout_s: float = 15) -> list[str]:
-    stopped = []
-    for name in reversed(COMPONENTS):  # controllers first, etcd last
-        if (pid := _alive(layout, name)) is None:
-            continue
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while _alive(layout, name) is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _alive(layout, name) is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-        stopped.append(name)
+    # The node first (its containers before containerd), then controllers, etcd last.
+    stopped = node.stop(layout)
+    for name in reversed(CONTROL_PLANE_COMPONENTS):
+        if processes.stop(layout, name, timeout_s):
+            stopped.append(name)
     return stopped
 
 
-def down(layout: Layout | None = None, *, wipe: bool = True) -> list[str]:
-    """Stop every component; ``wipe`` also removes etcd's data (the next ``up`` starts empty).
-    The built binaries stay in the cache."""
+def down(layout: Layout | None = None, *, wipe: bool = True,
+         log: Callable[[str], None] = lambda line: None) -> list[str]:
+    """Stop every component and take away what the CPU node made on this machine (containers,
+    mounts, cgroups, the bridge, its nftables table); ``wipe`` also removes etcd's data and the
+    node's images (the next ``up`` starts empty). The built binaries stay in the cache."""
     layout = layout or Layout.default()
     with _locked(layout):
         stopped = _stop_all(layout)
+        if removed := node.cleanup(layout, wipe=wipe):
+            log(f"removed {', '.join(removed)}")
         if wipe:
             shutil.rmtree(layout.root / "etcd", ignore_errors=True)
         return stopped

@@ -1,0 +1,3 @@
+module gemmalab.local/pause
+
+go 1.26.0
