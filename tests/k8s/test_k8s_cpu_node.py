@@ -18,6 +18,7 @@ import pytest
 from kubernetes import client as k8s
 
 from gemmalab.k8s.cluster import build, images, network, node, stack
+from gemmalab.k8s.config import RUN_AS_USER, local_volumes
 from tests.helpers.k8s import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -69,6 +70,9 @@ def test_the_cpu_node_is_a_real_kubelet_kept_for_cpu_pods(cpu_node):
     assert ready == "True"
     allocatable = found.status.allocatable
     assert int(allocatable["cpu"]) == os.cpu_count() and allocatable["memory"].endswith("Ki")
+    # The CPU profile's /data and /outputs, standing for the buckets: the image's user writes.
+    for folder in local_volumes():
+        assert folder.is_dir() and folder.stat().st_uid == RUN_AS_USER, folder
 
 
 def test_a_pod_runs_with_cluster_dns_and_no_way_out_and_its_log_reads_through_the_api(

@@ -224,6 +224,11 @@ def kubelet_config(layout: Layout, paths: NodePaths) -> dict[str, Any]:
         "makeIPTablesUtilChains": False,
         # Imported images cannot be pulled again: never garbage-collect them.
         "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
+        # The node shares the machine's disk with everything else on it (image builds, caches):
+        # the default thresholds (15% of the image disk free) put it under disk pressure, its
+        # pods Pending, on a disk that still holds tens of GB. Evict only when it is nearly full.
+        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "2Gi",
+                         "imagefs.available": "2Gi", "nodefs.inodesFree": "1%"},
         "registerWithTaints": [TAINT],
         "serializeImagePulls": False, "rotateCertificates": False,
         "failSwapOn": False,  # a machine with swap keeps its swap; the pods get none
@@ -288,6 +293,17 @@ def _kubelet_healthy(layout: Layout) -> Callable[[], bool]:
     return check
 
 
+def _make_bucket_folders() -> None:
+    """The folders the CPU profile mounts at /data and /outputs (``k8s.config.local_volumes``),
+    standing for the buckets: writable by the image's user, and kept by ``down`` (a run's
+    outputs outlive the cluster, as a bucket's do)."""
+    from gemmalab.k8s.config import RUN_AS_USER, local_volumes
+
+    for folder in local_volumes():
+        folder.mkdir(parents=True, exist_ok=True)
+        os.chown(folder, RUN_AS_USER, RUN_AS_USER)
+
+
 def start(layout: Layout, binaries: dict[str, Path], log: Callable[[str], None]) -> None:
     """The bridge, containerd (with the pause image), the kubelet and CoreDNS; returns once the
     kubelet answers (the node registers and turns Ready a moment later)."""
@@ -299,6 +315,7 @@ def start(layout: Layout, binaries: dict[str, Path], log: Callable[[str], None])
                    paths.volume_plugins, paths.kernel_settings, paths.images,
                    paths.var_lib / "upper", paths.var_lib / "work"):
         folder.mkdir(parents=True, exist_ok=True)
+    _make_bucket_folders()
     network.setup(str(layout.root), layout.port("kube-apiserver"))
     (paths.cni_conf_dir / "10-gemmalab.conflist").write_text(
         json.dumps(network.cni_config(paths.ipam_dir), indent=2))
