@@ -17,8 +17,11 @@ reachable, in the official image's two steps:
   official image's symlinks (python, pip, pydoc, idle, python-config), PATH, LANG and CMD.
 
 Differences from the official image: the CPython patch release (this machine's, e.g. 3.12.1,
-not the newest 3.12) and so the pip its ensurepip bundles; no ``_dbm``/``_gdbm`` or ``tkinter``
-dependencies when the local build lacks them; built without PGO/LTO unless the local one was.
+not the newest 3.12) and so the pip its ensurepip bundles (23.2.1); the modules the local build
+lacks (pyenv's 3.12.1 here: ``_dbm``, ``_gdbm``); its build options (pyenv's: no PGO or LTO, so
+a slower interpreter than the official ``--enable-optimizations --with-lto``); one layer, not
+Debian's and Python's; no GPG_KEY or PYTHON_SHA256 variables. ``tkinter`` is there without Tk,
+as in the official image.
 
 The base is named by a hash of all its inputs (the recipe here and every file taken from the
 interpreter), ``localhost/gemmalab-python:3.12-slim-bookworm-<key>``; the Debian root file system
@@ -240,7 +243,7 @@ def _remove_tree(path: Path) -> None:
 
 
 def rootfs(log: Callable[[str], None] = print) -> Path:
-    """Debian bookworm, minbase and slimmed, as a tar: made once per machine (3-5 min)."""
+    """Debian bookworm, minbase and slimmed, as a tar: made once per machine (~2 min)."""
     key = _rootfs_key()
     target = image_home() / f"rootfs-{SUITE}-{key}.tar"
     if target.is_file():
@@ -251,7 +254,7 @@ def rootfs(log: Callable[[str], None] = print) -> Path:
     log_file.unlink(missing_ok=True)
     _remove_tree(staging)
     staging.mkdir(parents=True)
-    log(f"debootstrap {SUITE} (minbase) from {MIRROR} (once per machine, 3-5 min), "
+    log(f"debootstrap {SUITE} (minbase) from {MIRROR} (once per machine, ~2 min), "
         f"log: {log_file}")
     try:
         _run_logged([debootstrap, "--variant=minbase", f"--include={','.join(PACKAGES)}",
@@ -343,7 +346,7 @@ def base(log: Callable[[str], None] = print) -> str:
     os.link(tar, context / "rootfs.tar")
     log_file = image_home() / "log" / f"base-{key}.log"
     log_file.unlink(missing_ok=True)
-    log(f"building {name} from {prefix} (once per machine, ~2 min), log: {log_file}")
+    log(f"building {name} from {prefix} (once per machine, ~1 min), log: {log_file}")
     _relocate(prefix, context / "python", log_file)
     _run_logged(["tar", "--create", f"--file={context / 'python.tar'}", "--numeric-owner",
                  "--owner=0", "--group=0", f"--directory={context / 'python'}", "."],
@@ -404,10 +407,22 @@ def build_image(target: str = "cpu", tag: str | None = None,
     command.append(str(REPO_ROOT))
     log_file = image_home() / "log" / f"{target}.log"
     log_file.unlink(missing_ok=True)
-    log(f"buildah bud --target {target} -t {tag} (cold: ~10 min, PyPI's wheels), log: {log_file}")
+    log(f"buildah bud --target {target} -t {tag} (cold: ~16 min on 2 cores, rebuilds 2-5 min), "
+        f"log: {log_file}")
+    previous = _image_id(buildah, tag)
     _run_logged(command, log_file, f"building the {target} image",
                 "a network error means PyPI is unreachable from the build's RUN steps")
+    if previous not in (None, _image_id(buildah, tag)):
+        # The image the tag named before: its /opt/venv layer alone is ~4 GB. The build's cached
+        # steps are other (intermediate) images and stay.
+        subprocess.run([buildah, "rmi", previous], capture_output=True)
     return tag
+
+
+def _image_id(buildah: str, name: str) -> str | None:
+    done = subprocess.run([buildah, "inspect", "--type", "image", "--format", "{{.FromImageID}}",
+                           name], capture_output=True, text=True)
+    return done.stdout.strip() or None if done.returncode == 0 else None
 
 
 def _image_config(buildah: str, image: str) -> dict:
