@@ -50,11 +50,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("args", nargs="*", metavar="ARGS",
                         help="image --run: the arguments after the image's entry point; "
                         "load-image: the archive")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `image --run -- COMMAND ...`: what follows `--` is the command to run, options included
+    # (argparse would have taken ARGS as empty at the first positional).
+    split = argv.index("--") if "--" in argv else len(argv)
+    argv, command = argv[:split], argv[split + 1:]
     args = parser.parse_args(argv)
+    args.args += command
     if args.command != "image" and (args.run or args.tag or args.target != "cpu"
                                     or (args.args and args.command != "load-image")):
         parser.error("--target, --tag, --run and ARGS go with the image command")
-    if (args.command == "load-image") != (len(args.args) == 1 or args.base_name is not None):
+    if ((args.command == "load-image" and len(args.args) != 1)
+            or (args.command != "load-image" and args.base_name is not None)):
         parser.error("load-image takes one archive (and --base-name only goes with it)")
     if args.command == "image":
         return _image(args.target, args.tag, args.run, args.args)

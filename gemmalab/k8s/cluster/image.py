@@ -362,6 +362,11 @@ def base(log: Callable[[str], None] = print) -> str:
     return name
 
 
+def built(name: str) -> bool:
+    """Whether buildah's storage on this machine holds the image ``name``."""
+    return _has_image(buildah_command(), name)
+
+
 def _has_image(buildah: str, name: str) -> bool:
     return subprocess.run([buildah, "inspect", "--type", "image", name],
                           capture_output=True).returncode == 0
