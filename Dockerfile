@@ -26,19 +26,21 @@ ARG UV_VERSION=0.13.9
 ENV UV_PROJECT_ENVIRONMENT=/opt/venv \
     UV_PYTHON_DOWNLOADS=never \
     UV_COMPILE_BYTECODE=1 \
-    UV_LINK_MODE=copy \
-    UV_NO_CACHE=1
+    UV_LINK_MODE=copy
 # A build host behind a TLS-inspecting proxy mounts its CA bundle into the RUN steps and names it
 # here (gemmalab/k8s/cluster/image.py: buildah's --volume): uv and pip trust it. Unset by
 # default; an ARG, so each builder stage declares it and no image keeps it.
 ARG SSL_CERT_FILE
+# No package cache in a layer by default; a builder may mount its own uv cache and name it
+# (UV_NO_CACHE=0 UV_CACHE_DIR=/mounted): then locked wheels it already holds are not downloaded.
+ARG UV_NO_CACHE=1
+ARG UV_CACHE_DIR
 RUN pip install --no-cache-dir ${SSL_CERT_FILE:+--cert "$SSL_CERT_FILE"} "uv==${UV_VERSION}"
 WORKDIR /src
 COPY pyproject.toml uv.lock requirements.txt README.md ./
-# Locked dependencies first (a cached layer while only gemmalab changes), then gemmalab itself.
+# The locked dependencies alone: the runtime images copy this venv as one layer, which a change
+# to gemmalab/ does not touch (gemmalab itself is the `project` stage's small layer).
 RUN uv sync --frozen --no-dev --no-install-project --python /usr/local/bin/python3.12
-COPY gemmalab/ gemmalab/
-RUN uv sync --frozen --no-dev --no-editable --python /usr/local/bin/python3.12
 # JupyterHub starts `jupyterhub-singleuser` in notebook servers: same version as the chart's hub
 # (zero-to-jupyterhub 4.4.0 runs JupyterHub 5.5.0).
 ARG JUPYTERHUB_VERSION=5.5.0
@@ -51,14 +53,29 @@ FROM builder AS builder-tpu
 ARG JAX_VERSION=0.12.0.1
 ARG LIBTPU_VERSION=0.0.50.1
 ARG SSL_CERT_FILE
+ARG UV_NO_CACHE=1
+ARG UV_CACHE_DIR
 RUN uv pip install --python /opt/venv/bin/python --constraint requirements.txt \
         "jax[tpu]==${JAX_VERSION}" "libtpu==${LIBTPU_VERSION}"
 
 FROM builder AS builder-gpu
 ARG JAX_VERSION=0.12.0.1
 ARG SSL_CERT_FILE
+ARG UV_NO_CACHE=1
+ARG UV_CACHE_DIR
 RUN uv pip install --python /opt/venv/bin/python --constraint requirements.txt \
         "jax[cuda12]==${JAX_VERSION}"
+
+# gemmalab alone (its package and dist-info, no dependencies), laid out as site-packages.
+FROM builder AS project
+ARG SSL_CERT_FILE
+ARG UV_NO_CACHE=1
+ARG UV_CACHE_DIR
+COPY gemmalab/ gemmalab/
+# Compiled where it runs (the runtime stages), so tracebacks name the installed files.
+RUN UV_COMPILE_BYTECODE=0 uv pip install --python /opt/venv/bin/python --no-deps \
+        --target /opt/project . \
+ && rm -rf /opt/project/bin
 
 # ---- runtime: no uv, no pip, no compiler; a non-root user ---------------------------------------
 FROM python AS runtime
@@ -82,6 +99,8 @@ COPY notebooks/ notebooks/
 # steps of 8 x 128 (the demo recipe, gemmalab/recipes.py): `docker run --rm gemmalab-cpu`.
 FROM runtime AS cpu
 COPY --from=builder /opt/venv /opt/venv
+COPY --from=project /opt/project/ /opt/venv/lib/python3.12/site-packages/
+RUN python -m compileall -q /opt/venv/lib/python3.12/site-packages/gemmalab
 ENV JAX_PLATFORMS=cpu
 USER 1000:1000
 # The command runs on the malloc gemmalab.allocator chooses for the host the container is on
@@ -93,11 +112,15 @@ CMD ["papermill", "notebooks/train.ipynb", "/tmp/train.ipynb", "-p", "output_dir
 
 FROM runtime AS gpu
 COPY --from=builder-gpu /opt/venv /opt/venv
+COPY --from=project /opt/project/ /opt/venv/lib/python3.12/site-packages/
+RUN python -m compileall -q /opt/venv/lib/python3.12/site-packages/gemmalab
 USER 1000:1000
 CMD ["papermill", "--help"]
 
 # The default target (last stage): the image of k8s/*.yaml and of the JupyterHub servers.
 FROM runtime AS tpu
 COPY --from=builder-tpu /opt/venv /opt/venv
+COPY --from=project /opt/project/ /opt/venv/lib/python3.12/site-packages/
+RUN python -m compileall -q /opt/venv/lib/python3.12/site-packages/gemmalab
 USER 1000:1000
 CMD ["papermill", "--help"]

@@ -21,8 +21,8 @@ export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 DEMO_DIR ?= runs/demo
 
-.PHONY: help env libtpu interop llamacpp peers peers-lock demo demo-tiny test test-fast test-numerics lint lock notebooks lab image clean \
-	cluster cluster-down cluster-programs etcd node-packages cluster-load-image
+.PHONY: help env libtpu interop llamacpp peers peers-lock demo demo-tiny test test-fast test-numerics lint lock notebooks lab image image-cpu image-tpu clean \
+	cluster cluster-down cluster-programs cluster-image etcd node-packages cluster-load-image
 
 help:
 	@echo "make demo   - set up, then fine-tune the embedded pretrained Gemma 3 270M offline (train.ipynb)"
@@ -40,7 +40,8 @@ help:
 	@echo "make lint   - ruff"
 	@echo "make notebooks - re-execute the nbval regression copies in tests/notebooks/"
 	@echo "make lab    - JupyterLab on notebooks/ with the project's kernel (headless; LAB_IP, LAB_PORT)"
-	@echo "make image  - docker images: TARGET=tpu|gpu|cpu IMAGE=<registry>/gemmalab-<target>:<tag>"
+	@echo "make image  - the Dockerfile's image: TARGET=tpu|gpu|cpu IMAGE=<registry>/gemmalab-<target>:<tag>"
+	@echo "              (docker where it runs, else buildah on a local base: make image-cpu, make image-tpu)"
 	@echo "make lock   - re-resolve uv.lock and requirements.txt after editing pyproject.toml"
 
 # uv comes from the package registry into a private venv; the project env comes from uv.lock.
@@ -185,7 +186,7 @@ PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider --nbval-sanitize-with $(NBVA
 TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(4, max(2, len(os.sched_getaffinity(0)))))' 2>/dev/null || echo 2)
 PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --no-loadscope-reorder)
 
-test: $(STAMP) $(LIBTPU)/.installed cluster-programs
+test: $(STAMP) $(LIBTPU)/.installed cluster-programs cluster-image
 	$(NBVAL_ENV) $(PYTEST) $(PARALLEL) tests
 
 # The local Kubernetes (gemmalab/k8s/cluster): etcd from Debian, the rest built from the Go module
@@ -261,11 +262,31 @@ lock: $(UV)
 	$(UV) lock --python "$$(scripts/find-python312)"
 	$(UV) export --frozen --no-hashes --no-dev --no-emit-project -o requirements.txt >/dev/null
 
-# Where a Docker engine runs (not on the CI machines). Push with `docker push $(IMAGE)`.
+# The Dockerfile's images. Where a Docker engine runs: docker on the real python:3.12 base (push
+# with `docker push $(IMAGE)`). Without one (this kind of machine: root, no registry): buildah on
+# a local stand-in for that base (gemmalab/k8s/cluster/image.py; Debian's buildah comes with
+# node-packages). `make image-cpu` is the CPU node's image, which `make test` builds (cached);
+# `make image-tpu` the TPU one (libtpu from PyPI). The GPU target is never built here.
 TARGET ?= tpu
 IMAGE ?= gemmalab-$(TARGET):$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE_BUILDER ?= $(shell timeout 10 docker info >/dev/null 2>&1 && echo docker || echo buildah)
 image:
+ifeq ($(IMAGE_BUILDER),docker)
 	docker build --target $(TARGET) -t $(IMAGE) .
+else
+	@$(MAKE) --no-print-directory $(STAMP) node-packages
+	$(CLUSTER) image --target $(TARGET) --tag localhost/$(IMAGE)
+endif
+image-cpu:
+	@$(MAKE) --no-print-directory image TARGET=cpu
+image-tpu:
+	@$(MAKE) --no-print-directory image TARGET=tpu
+
+# make test's runs on the CPU node: its image, built with buildah once per machine and rebuilt
+# from buildah's layer cache when the sources change (as root, with the node; else nothing).
+cluster-image: $(STAMP) node-packages
+	@if [ "$$(id -u)" = 0 ] && [ "$${CLUSTER_CPU_NODE:-1}" != 0 ]; then \
+		$(CLUSTER) image --target cpu; fi
 
 clean:
 	rm -rf $(VENV) $(TOOLS) $(LIBTPU) $(INTEROP) $(LLAMACPP) $(PEERS) runs .pytest_cache .ruff_cache

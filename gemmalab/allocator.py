@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -70,7 +71,16 @@ def library_path() -> Path | None:
     except importlib.metadata.PackageNotFoundError:
         return None
     path = Path(str(distribution.locate_file(LIBRARY)))
-    return path if path.is_file() else None
+    return path if path.is_file() and preloads(path) else None
+
+
+def preloads(library: Path) -> bool:
+    """Whether a process starts with ``library`` preloaded: the dynamic loader only warns about
+    a preload it cannot load (a slim image without a library it links, e.g. libatomic), and the
+    process would then run on glibc's malloc anyway while the environment says mimalloc."""
+    probe = subprocess.run([sys.executable, "-S", "-c", ""], capture_output=True, text=True,
+                           env={**os.environ, "LD_PRELOAD": str(library)})
+    return probe.returncode == 0 and not probe.stderr.strip()
 
 
 def hypervisor_takes_freed_pages(sys_root: Path = Path("/sys")) -> bool:

@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from gemmalab import allocator
 from gemmalab.config import FLAT_NAMES
@@ -48,8 +49,11 @@ class TrainingFieldsAreKnown(logging.Filter):
                     and message.removeprefix(UNKNOWN_PARAMETER) in self.fields)
 
 
-def run_papermill(argv: list[str], *, shutdown_kernel: str, prog_name: str) -> None:
-    """papermill's command line on ``argv``; the kernel shut down ``immediate`` or ``graceful``."""
+def run_papermill(argv: list[str], *, shutdown_kernel: str, prog_name: str,
+                  on_error: Callable[[str], None] | None = None) -> None:
+    """papermill's command line on ``argv``; the kernel shut down ``immediate`` or ``graceful``.
+    A cell that fails: its traceback on stderr, and its error's one line (``ConfigError: ...``)
+    to ``on_error``, if given."""
     from papermill import cli
     from papermill.exceptions import PapermillExecutionError
     from papermill.execute import execute_notebook
@@ -62,6 +66,8 @@ def run_papermill(argv: list[str], *, shutdown_kernel: str, prog_name: str) -> N
         # The failing cell's own traceback (one line for a ConfigError), without papermill's
         # frames above it; the output notebook has the same.
         sys.stderr.write(f"{error}\n")
+        if on_error is not None:
+            on_error(f"{error.ename}: {error.evalue}")
         raise SystemExit(1) from None
 
 

@@ -18,6 +18,17 @@ def test_the_locked_wheel_provides_the_library():
     assert path is not None and path.is_file() and path.name.startswith("libmimalloc.so")
 
 
+@on_linux
+def test_a_library_that_cannot_be_preloaded_is_not_chosen(tmp_path):
+    # The image's failure before libatomic1 was added: the preload fails, so the process would
+    # run on glibc's malloc (or not start) while its environment names mimalloc.
+    not_elf = tmp_path / "libmimalloc.so.3"
+    not_elf.write_text("not a shared library\n")
+    assert allocator.preloads(allocator.library_path())
+    assert not allocator.preloads(not_elf)
+    assert not allocator.preloads(tmp_path / "missing.so")
+
+
 def fake_sysfs(root: Path, *, order: int | None = 9, balloon_features: str | None = "0110010",
                bound: bool = True) -> Path:
     """A /sys with free page reporting at ``order`` and a virtio balloon negotiating

@@ -198,8 +198,32 @@ def run_outcome(job_name: str, namespace: str = "default", *,
                 api_client: client.ApiClient | None = None) -> RunOutcome | None:
     """How the run ended, from its JobSet's (else its Job's) conditions, or None while it still
     waits in a queue, runs or restarts: a pod that failed is not the end of a run its failure
-    policy retries (a preempted host, a JobSet restart). ``NotFound``: neither exists (deleted)."""
-    return _outcome(_run_object(job_name, namespace, connect(api_client)))
+    policy retries (a preempted host, a JobSet restart). ``NotFound``: neither exists (deleted).
+    A failed run's message ends with its failed pods' own last words (the kit's one-line error,
+    ``gemmalab.k8s.run_notebook``'s termination message)."""
+    api = connect(api_client)
+    outcome = _outcome(_run_object(job_name, namespace, api))
+    if outcome is None or outcome.state != "Failed":
+        return outcome
+    said = pod_errors(job_name, namespace, api_client=api)
+    if not said:
+        return outcome
+    quoted = "; ".join(f"{pod}: {line}" for pod, line in said.items())
+    return dataclasses.replace(outcome, message="; ".join(
+        part for part in (outcome.message, quoted) if part))
+
+
+def pod_errors(job_name: str, namespace: str = "default", *,
+               api_client: client.ApiClient | None = None) -> dict[str, str]:
+    """``{pod: message}`` of the run's pods whose training container ended with a termination
+    message and a non-zero exit code (the last line of each)."""
+    said = {}
+    for pod in _pods(job_name, namespace, connect(api_client)):
+        for status in (pod.status and pod.status.container_statuses) or []:
+            ended = status.state and status.state.terminated
+            if status.name == CONTAINER and ended and ended.exit_code and ended.message:
+                said[pod.metadata.name] = ended.message.strip().splitlines()[-1]
+    return said
 
 
 def run_state(job_name: str, namespace: str = "default", *,

@@ -35,12 +35,10 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 CONTAINER = "train"
 TPU_RUNTIME_PORT = 8471  # libtpu's port between the hosts of a slice
 
-# The container's shell only creates the output directory (papermill does not), then becomes
-# gemmalab's papermill runner, which hands SIGTERM to the training loop (save, then exit
-# PREEMPTED_EXIT_CODE); "$@" keeps every argument as one word, so no value is re-parsed.
-ENTRYPOINT = ["/bin/sh", "-ec",
-              'mkdir -p "$GEMMALAB_OUTPUT_DIR" && exec python -m gemmalab.k8s.run_notebook "$@"',
-              "papermill"]
+# gemmalab's papermill runner: it makes the output folder (papermill does not; an unwritable
+# bucket is one line), and hands SIGTERM to the training loop (save, then exit
+# PREEMPTED_EXIT_CODE). Kubernetes itself expands $(VAR) in the arguments: no shell.
+ENTRYPOINT = ["python", "-m", "gemmalab.k8s.run_notebook"]
 
 
 def labels(config: ClusterConfig) -> dict[str, str]:

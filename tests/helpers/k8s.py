@@ -146,3 +146,34 @@ def with_pods(objects: list[Any], annotations: dict[str, str] | None = None,
             meta.setdefault("labels", {}).update(labels or {})
         out.append(body)
     return out
+
+
+def make_queue(cluster, namespace: str, quota: dict[str, int], **fields: Any) -> str:
+    """A ClusterQueue (labelled for the namespace fixture's cleanup) and its LocalQueue."""
+    from gemmalab.k8s import ClusterConfig, kueue
+
+    config = ClusterConfig(namespace=namespace, queue=f"q-{namespace}", queue_quota=quota,
+                           **fields)
+    objects = kueue.queue_objects(config)
+    for obj in objects:
+        if obj["kind"] == "ClusterQueue":
+            obj["metadata"]["labels"] = {"gemmalab-test": namespace}
+            # Only this test's namespace: another test's runs never take this quota.
+            obj["spec"]["namespaceSelector"] = {"matchLabels": {
+                "kubernetes.io/metadata.name": namespace}}
+    cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
+    return config.queue
+
+
+def workload_admitted(cluster, namespace: str, run: str) -> bool | None:
+    """Whether Kueue admitted the run's Workload (None: no Workload yet)."""
+    from kubernetes import client as k8s
+
+    workloads = k8s.CustomObjectsApi(cluster.api).list_namespaced_custom_object(
+        "kueue.x-k8s.io", "v1beta2", namespace, "workloads")["items"]
+    mine = [w for w in workloads
+            if any(ref.get("name") == run for ref in w["metadata"].get("ownerReferences", []))]
+    if not mine:
+        return None
+    return any(c["type"] == "Admitted" and c["status"] == "True"
+               for w in mine for c in (w.get("status") or {}).get("conditions", []))

@@ -23,12 +23,12 @@ from kubernetes import client as k8s
 
 from gemmalab.errors import ConfigError
 from gemmalab.inspect.sweep import summary_table
-from gemmalab.k8s import client, kueue, launch, manifests
+from gemmalab.k8s import client, launch, manifests
 from gemmalab.k8s import sweep as sweeps
 from gemmalab.k8s.cluster import stack
 from gemmalab.k8s.config import ClusterConfig
 from gemmalab.k8s.render import to_dict
-from tests.helpers.k8s import wait_for, with_pods
+from tests.helpers.k8s import make_queue, wait_for, with_pods, workload_admitted
 
 # The first test starts the cluster, building its programs if not yet built (7-11 min cold).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -49,32 +49,6 @@ def run_config(namespace: str, name: str, *, topology: str = "1x1", slices: int 
     fields.setdefault("params", {"recipe": "tiny"})
     return ClusterConfig(job_name=name, namespace=namespace, accelerator="v6e",
                          topology=topology, num_slices=slices, queue=queue, **fields)
-
-
-def make_queue(cluster, namespace: str, quota: dict[str, int]) -> str:
-    """A ClusterQueue (labelled for the namespace fixture's cleanup) and its LocalQueue."""
-    config = ClusterConfig(namespace=namespace, queue=f"q-{namespace}", queue_quota=quota)
-    objects = kueue.queue_objects(config)
-    for obj in objects:
-        if obj["kind"] == "ClusterQueue":
-            obj["metadata"]["labels"] = {"gemmalab-test": namespace}
-            # Only this test's namespace: another test's runs never take this quota.
-            obj["spec"]["namespaceSelector"] = {"matchLabels": {
-                "kubernetes.io/metadata.name": namespace}}
-    cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
-    return config.queue
-
-
-def workload_admitted(cluster, namespace: str, run: str) -> bool | None:
-    """Whether Kueue admitted the run's Workload (None: no Workload yet)."""
-    workloads = k8s.CustomObjectsApi(cluster.api).list_namespaced_custom_object(
-        "kueue.x-k8s.io", "v1beta2", namespace, "workloads")["items"]
-    mine = [w for w in workloads
-            if any(ref.get("name") == run for ref in w["metadata"].get("ownerReferences", []))]
-    if not mine:
-        return None
-    return any(c["type"] == "Admitted" and c["status"] == "True"
-               for w in mine for c in (w.get("status") or {}).get("conditions", []))
 
 
 def pods(cluster, namespace: str, run: str) -> list[k8s.V1Pod]:

@@ -98,7 +98,10 @@ def test_final_images_carry_no_build_tools():
                 assert not re.search(r"\b(apt-get|apk|gcc|make|uv|pip install)\b", rest), (
                     f"{stage}: RUN {command}")
         copies = STAGES[name].all("COPY")
-        assert all(c.startswith("--from=builder") for c in copies if "/opt/venv" in c)
+        # The locked venv from a builder, then gemmalab's own layer from the project stage.
+        venv = [c for c in copies if "/opt/venv" in c]
+        assert venv[0].startswith("--from=builder") and venv[0].endswith(" /opt/venv /opt/venv")
+        assert venv[1:] == ["--from=project /opt/project/ /opt/venv/lib/python3.12/site-packages/"]
     assert "pip uninstall" in " ".join(STAGES["runtime"].all("RUN"))
     assert any(c.startswith("notebooks/") for c in STAGES["runtime"].all("COPY"))
 
@@ -106,7 +109,12 @@ def test_final_images_carry_no_build_tools():
 def test_dependencies_come_from_the_lock():
     builder = " ".join(STAGES["builder"].all("RUN"))
     assert "uv sync --frozen --no-dev --no-install-project" in builder
-    assert "uv sync --frozen --no-dev --no-editable" in builder
+    assert not any(c.startswith("gemmalab") for c in STAGES["builder"].all("COPY"))
+    # gemmalab alone, on top: nothing unlocked comes with it, and a change to it leaves the
+    # dependency layer cached.
+    [project] = STAGES["project"].all("RUN")
+    assert "uv pip install" in project and "--no-deps" in project
+    assert _ancestry("project")[:2] == ["project", "builder"]
     makefile = (ROOT / "Makefile").read_text()
     assert f"UV_VERSION := {_arg('builder', 'UV_VERSION')}" in makefile
     for stage in ("builder", "builder-tpu", "builder-gpu"):

@@ -48,7 +48,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gemmalab.k8s.cluster.build import REPO_ROOT, cluster_home
+from gemmalab.k8s.cluster import node
 from gemmalab.k8s.cluster.errors import ClusterError
+from gemmalab.k8s.cluster.layout import Layout
 
 TARGETS = ("cpu", "tpu", "gpu")
 # Part of the base's key: bump it when what is done to the files below changes (_slim, _relocate).
@@ -385,6 +387,17 @@ def host_ca_bundle() -> Path | None:
 BUILD_CA_PATH = "/etc/ssl/certs/ca-certificates.crt"
 
 
+BUILD_UV_CACHE = "/run/uv-cache"
+
+
+def host_uv_cache() -> Path | None:
+    """uv's cache on this host (``UV_CACHE_DIR``, else XDG's), if it exists."""
+    named = os.environ.get("UV_CACHE_DIR")
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    path = Path(named) if named else Path(xdg) / "uv"
+    return path.resolve() if path.is_dir() else None
+
+
 def project_version() -> str:
     return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
 
@@ -409,6 +422,12 @@ def build_image(target: str = "cpu", tag: str | None = None,
     if ca is not None:
         command += ["--volume", f"{ca}:{BUILD_CA_PATH}:ro",
                     "--build-arg", f"SSL_CERT_FILE={BUILD_CA_PATH}"]
+    uv_cache = host_uv_cache()
+    if uv_cache is not None:
+        # The wheels `make env` already fetched: a cold build downloads only what the host's
+        # venv lacks (libtpu, jupyterhub), and no layer keeps the cache.
+        command += ["--volume", f"{uv_cache}:{BUILD_UV_CACHE}",
+                    "--build-arg", "UV_NO_CACHE=0", "--build-arg", f"UV_CACHE_DIR={BUILD_UV_CACHE}"]
     command.append(str(REPO_ROOT))
     log_file = image_home() / "log" / f"{target}.log"
     log_file.unlink(missing_ok=True)
@@ -422,6 +441,36 @@ def build_image(target: str = "cpu", tag: str | None = None,
         # steps are other (intermediate) images and stay.
         subprocess.run([buildah, "rmi", previous], capture_output=True)
     return tag
+
+
+# The containerd label recording which buildah image a name was loaded from.
+LOADED_FROM_LABEL = "dev.gemmalab.buildah-image-id"
+
+
+def load_into_node(name: str, layout: Layout | None = None,
+                   log: Callable[[str], None] = print) -> str:
+    """Image ``name`` from buildah's storage into the CPU node's containerd, unless it already
+    holds that build: ``buildah push`` to an uncompressed docker-archive, imported, removed."""
+    buildah = buildah_command()
+    image_id = _image_id(buildah, name)
+    if image_id is None:
+        raise ClusterError(f"no image {name} in buildah's storage",
+                           "python -m gemmalab.k8s.cluster image --target cpu")
+    if node.image_labels(name, layout).get(LOADED_FROM_LABEL) == image_id:
+        return name
+    archive = image_home() / "export" / f"{image_id[:16]}.tar"
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    archive.unlink(missing_ok=True)
+    log(f"loading {name} into the CPU node's containerd (~2 min for the 4 GB cpu image)")
+    try:
+        _run_logged([buildah, "push", "--disable-compression", name,
+                     f"docker-archive:{archive}:{name}"], image_home() / "log" / "export.log",
+                    f"exporting {name}", "check the free disk space")
+        node.load_image(archive, layout)
+    finally:
+        archive.unlink(missing_ok=True)
+    node.label_image(name, LOADED_FROM_LABEL, image_id, layout)
+    return name
 
 
 def _image_id(buildah: str, name: str) -> str | None:

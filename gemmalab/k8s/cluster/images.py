@@ -171,3 +171,20 @@ def import_archive(ctr: Path, address: Path, archive: Path, base_name: str | Non
     named = {name for name in archive_names(archive) if name in after}
     # The CRI plugin adds a reference by digest to each image: not a name.
     return sorted(named | {n for n in after - before if not n.startswith("sha256:")})
+
+
+def labels(ctr: Path, address: Path, name: str) -> dict[str, str]:
+    """The containerd labels of image ``name`` ({} when containerd has no such image)."""
+    done = _ctr(ctr, address, "images", "ls", f"name=={name}")
+    rows = done.stdout.splitlines()[1:] if done.returncode == 0 else []
+    if not rows:
+        return {}
+    found = rows[0].split()[-1]
+    return dict(part.split("=", 1) for part in found.split(",") if "=" in part)
+
+
+def set_label(ctr: Path, address: Path, name: str, key: str, value: str) -> None:
+    done = _ctr(ctr, address, "images", "label", name, f"{key}={value}")
+    if done.returncode != 0:
+        raise ClusterError(f"labelling {name} in the node's containerd failed: "
+                           f"{done.stderr.strip()[:300]}", "make cluster-down && make cluster")

@@ -424,6 +424,16 @@ def load_image(archive: Path, layout: Layout | None = None, base_name: str | Non
     return images.import_archive(ctr, NodePaths.of(layout).socket, archive, base_name)
 
 
+def image_labels(name: str, layout: Layout | None = None) -> dict[str, str]:
+    """The node's containerd labels of image ``name`` ({} if it does not hold it)."""
+    return images.labels(build.CTR.path(), NodePaths.of(layout or Layout.default()).socket, name)
+
+
+def label_image(name: str, key: str, value: str, layout: Layout | None = None) -> None:
+    images.set_label(build.CTR.path(), NodePaths.of(layout or Layout.default()).socket, name,
+                     key, value)
+
+
 def rss_mib(layout: Layout) -> dict[str, float]:
     """The resident memory of the node's processes, MiB (the report's and the tests')."""
     sizes = {}
