@@ -47,8 +47,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from gemmalab.k8s.cluster.build import REPO_ROOT, cluster_home
 from gemmalab.k8s.cluster import node
+from gemmalab.k8s.cluster.build import REPO_ROOT, cluster_home
 from gemmalab.k8s.cluster.errors import ClusterError
 from gemmalab.k8s.cluster.layout import Layout
 
