@@ -134,7 +134,8 @@ NOTEBOOK_COPIES = "tests/notebooks/"
 # The tests against the local Kubernetes share one worker: one cluster started (or reused) once,
 # and runs that never compete for its fake nodes.
 LOCAL_CLUSTER_FILES = ("tests/k8s/test_k8s_cluster.py", "tests/k8s/test_k8s_client.py",
-                       "tests/k8s/test_k8s_cpu_node.py", "tests/k8s/test_k8s_node_runs.py")
+                       "tests/k8s/test_k8s_cpu_node.py", "tests/k8s/test_k8s_image.py",
+                       "tests/k8s/test_k8s_node_runs.py")
 # The longest first, so that no worker is left with a long one at the end while the others idle
 # (``--no-loadscope-reorder`` keeps this order).
 LONGEST_FIRST = ("notebook-copies", "tests/model/test_attention.py", "tests/test_plan.py",

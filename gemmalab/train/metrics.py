@@ -61,6 +61,9 @@ class MetricsSink:
                 self._files[name] = (directory / f"{name}.jsonl").open("w")
                 for row in rows:
                     self._files[name].write(json.dumps(row) + "\n")
+                # At once: until then the file is empty, and readers (launch.ipynb, a test
+                # watching a preempted run) would see the kept rows gone.
+                self._files[name].flush()
             if self.tensorboard is not None:
                 self.tensorboard.fill(self.kept)
 

@@ -175,6 +175,9 @@ def test_cluster_down_leaves_nothing_and_the_next_up_is_clean(cpu_node):
     assert str(layout.root) not in mounts
     assert not list(Path("/sys/fs/cgroup").glob(f"*/{node.CGROUP_PARENT}"))
     assert not (layout.root / "node").exists()
+    # The images loaded into the node stay (beside the cluster's folder), nothing mounted there.
+    assert node.NodePaths.of(layout).containerd_root.is_dir()
+    assert str(node.NodePaths.of(layout).containerd_root) not in mounts
     assert not list(network.CNI_CACHE.glob(f"results/{network.CNI_NETWORK}-*"))
     assert not Path("/run/containerd/s").exists() or not any(Path("/run/containerd/s").iterdir())
     leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit()
