@@ -140,8 +140,9 @@ LOCAL_CLUSTER_FILES = ("tests/k8s/test_k8s_cluster.py", "tests/k8s/test_k8s_clie
 # (``--no-loadscope-reorder`` keeps this order).
 LONGEST_FIRST = ("local-cluster", "notebook-copies", "tests/model/test_attention.py",
                  "tests/test_plan.py", "tests/test_notebook_regression.py",
-                 "tests/train/test_resume.py", "tests/test_notebooks.py", "tests/train/test_real_base.py",
-                 "tests/model/test_sharding.py", "tests/train/test_multiprocess.py",
+                 "tests/train/test_resume.py", "tests/test_notebooks.py",
+                 "tests/train/test_real_base.py", "tests/model/test_sharding.py",
+                 "tests/train/test_multiprocess.py",
                  "tests/model/test_lora_gemma4.py", "tests/model/test_gemma4.py",
                  "tests/test_lab.py", "tests/weights/test_export.py", "tests/model/test_lora.py",
                  "tests/weights/test_peft_gemma4.py", "tests/weights/test_hf_gemma4.py")
