@@ -9,6 +9,7 @@ from typing import Any
 
 from gemmalab import storage
 from gemmalab.k8s import client as k8s_client
+from gemmalab.k8s.config import ClusterConfig
 
 
 def watch(job_name: str, namespace: str = "default", *, timeout_s: float = 1800,
@@ -58,11 +59,17 @@ OUTPUTS_ROOT_FIX = ("set outputs_root to a folder that holds the runs' outputs (
                     "network access to the bucket")
 
 
-def outputs_root(given: str, outputs_bucket: str, *, read: bool = True) -> str:
-    """Where launch.ipynb finds its runs' outputs: ``given``, else the outputs bucket. When it
-    will ``read`` them, refused in one line naming ``outputs_root`` if they cannot be read from
-    here."""
-    root = given or f"gs://{outputs_bucket}"
+def outputs_root(given: str, config: ClusterConfig, *, read: bool = True) -> str:
+    """Where launch.ipynb finds its runs' outputs: ``given``, else where ``config``'s pods write
+    them: the outputs bucket, or on the local cluster's CPU node its folder standing for it.
+    When it will ``read`` them, refused in one line naming ``outputs_root`` if they cannot be
+    read from here."""
+    if given:
+        root = given
+    elif config.is_cpu:
+        root = config.resolved_local_volumes()[1]
+    else:
+        root = f"gs://{config.resolved_outputs_bucket}"
     if read:
         storage.require_reachable("outputs_root", root, fix=OUTPUTS_ROOT_FIX)
     return root.rstrip("/")

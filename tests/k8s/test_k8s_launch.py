@@ -9,6 +9,7 @@ from gemmalab import storage
 from gemmalab.errors import ConfigError
 from gemmalab.k8s import launch
 from gemmalab.k8s.client import RunOutcome
+from gemmalab.k8s.config import ClusterConfig
 
 
 def test_watch_reports_changes_until_the_run_ends(monkeypatch):
@@ -52,7 +53,8 @@ def test_an_outputs_bucket_that_cannot_be_read_from_here_is_one_line_naming_outp
         tmp_path, monkeypatch):
     """As on a machine with no route to Google: the read that failed deep in TensorFlow
     ("Could not resolve host: www.googleapis.com") is refused before it, by name."""
-    assert launch.outputs_root(str(tmp_path) + "/", "bucket") == str(tmp_path)
+    bucket = ClusterConfig(outputs_bucket="my-project-gemmalab-outputs")
+    assert launch.outputs_root(str(tmp_path) + "/", bucket) == str(tmp_path)
 
     class Unreachable:
         def exists(self):
@@ -61,7 +63,7 @@ def test_an_outputs_bucket_that_cannot_be_read_from_here_is_one_line_naming_outp
     monkeypatch.setattr(storage, "_gcs_credentials_found", lambda: True)
     monkeypatch.setattr(storage, "_gcs_path", lambda path: Unreachable())
     with pytest.raises(ConfigError) as raised:
-        launch.outputs_root("", "my-project-gemmalab-outputs")
+        launch.outputs_root("", bucket)
     message = str(raised.value)
     assert message.startswith("outputs_root: cannot reach gs://my-project-gemmalab-outputs "
                               "(RuntimeError: Could not resolve host: www.googleapis.com). "
@@ -70,6 +72,13 @@ def test_an_outputs_bucket_that_cannot_be_read_from_here_is_one_line_naming_outp
     monkeypatch.setattr(storage, "_gcs_credentials_found", lambda: False)
     with pytest.raises(ConfigError, match="^outputs_root: gs://b is on Google Cloud Storage but "
                        "no credentials were found"):
-        launch.outputs_root("gs://b", "ignored")
+        launch.outputs_root("gs://b", bucket)
     # Nothing submitted, nothing read: the bucket is only named (launch.ipynb's submit=False).
-    assert launch.outputs_root("", "b", read=False) == "gs://b"
+    assert launch.outputs_root("", ClusterConfig(outputs_bucket="bkt"), read=False) == "gs://bkt"
+
+
+def test_on_the_local_cluster_outputs_are_read_where_its_pods_write_them(tmp_path):
+    config = ClusterConfig(accelerator="cpu", local_outputs_dir=str(tmp_path))
+    assert launch.outputs_root("", config) == str(tmp_path)
+    default = ClusterConfig(accelerator="cpu")
+    assert launch.outputs_root("", default, read=False) == default.resolved_local_volumes()[1]
