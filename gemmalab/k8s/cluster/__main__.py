@@ -23,6 +23,7 @@ CLUSTER_CPU_NODE=0: no CPU node (without root there is none).
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -76,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "up":
             stack.up(layout, log=_say)
+            _load_cpu_image(layout)
         elif args.command == "down":
             stopped = stack.down(layout, log=_say)
             _say(f"stopped {', '.join(stopped)}" if stopped else "no cluster was running")
@@ -95,6 +97,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"export KUBECONFIG={layout.kubeconfig}")
     return 0
+
+
+def _load_cpu_image(layout: stack.Layout) -> None:
+    """The cpu image, when this machine built it (make image-cpu), into the CPU node: the name
+    the CPU profile's manifests use. Already there (the node keeps its images): nothing to do."""
+    if "kubelet" not in stack.running_components(layout) or shutil.which("buildah") is None:
+        return
+    name = image.image_name("cpu")
+    if image.built(name):
+        image.load_into_node(name, layout, log=_say)
+        _say(f"the CPU node holds {name}")
+    else:
+        _say(f"no {name} built here: `make image-cpu`, then `make cluster` again, loads it")
 
 
 def _image(target: str, tag: str | None, run: bool, run_args: list[str]) -> int:
