@@ -9,6 +9,7 @@ session's own directory, so another session (e.g. other CPU flags) never reads i
 """
 
 import atexit
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -108,21 +109,45 @@ def local_cluster() -> Iterator[LocalCluster]:
 _namespaces = itertools.count()
 
 
-@pytest.fixture
-def run_namespace(local_cluster: LocalCluster, request) -> Iterator[str]:
-    """A namespace of the test's own, with the runs' service account, removed afterwards (with
-    its runs and its ClusterQueues, labelled gemmalab-test=<namespace>)."""
+@contextlib.contextmanager
+def _namespace(cluster: LocalCluster) -> Iterator[str]:
+    """A namespace with the runs' service account, removed afterwards (with its runs and its
+    ClusterQueues, labelled gemmalab-test=<namespace>)."""
     from kubernetes import client
 
     name = f"t{int(time.time()) % 100000}-{next(_namespaces)}"
-    core = client.CoreV1Api(local_cluster.api)
+    core = client.CoreV1Api(cluster.api)
     core.create_namespace({"metadata": {"name": name}})
     core.create_namespaced_service_account(name, {"metadata": {"name": "gemmalab-runner"}})
     yield name
-    local_cluster.kubectl("delete", "namespace", name, "--wait=false")
+    cluster.kubectl("delete", "namespace", name, "--wait=false")
     # ClusterQueues are cluster-scoped: the test's own go with it.
-    local_cluster.kubectl("delete", "clusterqueues.kueue.x-k8s.io", "-l",
-                          f"gemmalab-test={name}", "--ignore-not-found")
+    cluster.kubectl("delete", "clusterqueues.kueue.x-k8s.io", "-l", f"gemmalab-test={name}",
+                    "--ignore-not-found")
+
+
+@pytest.fixture
+def run_namespace(local_cluster: LocalCluster) -> Iterator[str]:
+    """A namespace of the test's own (``_namespace``)."""
+    with _namespace(local_cluster) as name:
+        yield name
+
+
+@pytest.fixture(scope="module")
+def module_namespace(local_cluster: LocalCluster) -> Iterator[str]:
+    """A namespace for a test file's runs (``_namespace``), which it names apart."""
+    with _namespace(local_cluster) as name:
+        yield name
+
+
+@pytest.fixture(scope="module")
+def cpu_node(local_cluster: LocalCluster) -> LocalCluster:
+    """The local cluster, with its real CPU node (as root: skipped without it)."""
+    from gemmalab.k8s.cluster import node, stack
+
+    if "kubelet" not in stack.running_components(local_cluster.layout):
+        pytest.skip(f"no CPU node: {node.disabled_reason(local_cluster.layout)}")
+    return local_cluster
 
 
 # --- parallel runs (``make test``: pytest-xdist workers) -------------------------------------

@@ -25,13 +25,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
-def cpu_node(local_cluster):
-    if "kubelet" not in stack.running_components(local_cluster.layout):
-        pytest.skip(f"no CPU node: {node.disabled_reason(local_cluster.layout)}")
-    return local_cluster
-
-
-@pytest.fixture(scope="module")
 def busybox(cpu_node, tmp_path_factory) -> str:
     archive = images.busybox_archive(tmp_path_factory.mktemp("image") / "busybox.tar")
     assert node.load_image(archive, cpu_node.layout) == [images.BUSYBOX_IMAGE]

@@ -28,7 +28,7 @@ from kubernetes import client as k8s
 from gemmalab.data import corpus, documents
 from gemmalab.data.tokenizer import train_local_tokenizer
 from gemmalab.k8s import client, launch, manifests
-from gemmalab.k8s.cluster import image, node, stack
+from gemmalab.k8s.cluster import image
 from gemmalab.k8s.config import DATA_MOUNT, ClusterConfig, local_volumes
 from gemmalab.weights import orbax_params
 from tests.helpers.k8s import make_queue, wait_for, workload_admitted
@@ -44,13 +44,6 @@ RUN_TIMEOUT_S = 900
 TRAIN = dict(recipe="tiny", num_layers=2, maxlen=64, max_steps=STEPS, eval_every=0,
              log_every=1, tokenize_workers=1, seed=5, compute_dtype="float32", max_new_tokens=4,
              max_eval_stories=HELD_OUT, checkpoint_every=0)
-
-
-@pytest.fixture(scope="module")
-def cpu_node(local_cluster):
-    if "kubelet" not in stack.running_components(local_cluster.layout):
-        pytest.skip(f"no CPU node: {node.disabled_reason(local_cluster.layout)}")
-    return local_cluster
 
 
 @pytest.fixture(scope="module")
@@ -135,21 +128,6 @@ def run_names():
             import shutil
 
             shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def module_namespace(cpu_node, request):
-    """One namespace for the module's runs (runs in it are named apart)."""
-    import time
-
-    name = f"runs{int(time.time()) % 100000}"
-    core = k8s.CoreV1Api(cpu_node.api)
-    core.create_namespace({"metadata": {"name": name}})
-    core.create_namespaced_service_account(name, {"metadata": {"name": "gemmalab-runner"}})
-    yield name
-    cpu_node.kubectl("delete", "namespace", name, "--wait=false")
-    cpu_node.kubectl("delete", "clusterqueues.kueue.x-k8s.io", "-l", f"gemmalab-test={name}",
-                     "--ignore-not-found")
 
 
 @pytest.fixture(scope="module")
