@@ -431,7 +431,8 @@ def build_image(target: str = "cpu", tag: str | None = None,
     command.append(str(REPO_ROOT))
     log_file = image_home() / "log" / f"{target}.log"
     log_file.unlink(missing_ok=True)
-    log(f"buildah bud --target {target} -t {tag} (cold: ~16 min on 2 cores, rebuilds 2-5 min), "
+    log(f"buildah bud --target {target} -t {tag} (cold: ~10 min on 2 cores with uv's cache "
+        "warm; after a change to gemmalab/ ~2 min), "
         f"log: {log_file}")
     previous = _image_id(buildah, tag)
     _run_logged(command, log_file, f"building the {target} image",
