@@ -85,3 +85,22 @@ def test_the_tpu_image_imports_libtpu():
                             "jax.__version__)"], capture=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert Path(done.stdout.split()[-2]).name == "__init__.py"
+
+
+def test_a_build_is_keyed_by_its_command_and_context_files(tmp_path):
+    for name in image.CONTEXT:
+        path = tmp_path / name
+        if "." in name or name == "Dockerfile":
+            path.write_text(name)
+        else:
+            (path / "sub").mkdir(parents=True)
+            (path / "sub" / "module.py").write_text("x = 1\n")
+    command = ["buildah", "bud", "--target", "cpu"]
+    key = image.inputs_key(command, tmp_path)
+    (tmp_path / "gemmalab" / "__pycache__").mkdir()
+    (tmp_path / "gemmalab" / "__pycache__" / "module.cpython-312.pyc").write_bytes(b"\0")
+    (tmp_path / "tests.py").write_text("outside the context")
+    assert image.inputs_key(command, tmp_path) == key
+    assert image.inputs_key([*command[:-1], "tpu"], tmp_path) != key
+    (tmp_path / "gemmalab" / "sub" / "module.py").write_text("x = 2\n")
+    assert image.inputs_key(command, tmp_path) != key
