@@ -498,7 +498,8 @@ def load_into_node(name: str, layout: Layout | None = None,
     archive = image_home() / "export" / f"{image_id[:16]}.tar"
     archive.parent.mkdir(parents=True, exist_ok=True)
     archive.unlink(missing_ok=True)
-    log(f"loading {name} into the CPU node's containerd (~3 min for the 4 GB cpu image; the node keeps it)")
+    log(f"loading {name} into the CPU node's containerd (~3 min for the 4 GB cpu image; "
+        "the node keeps it)")
     try:
         _run_logged([buildah, "push", "--disable-compression", name,
                      f"docker-archive:{archive}:{name}"], image_home() / "log" / "export.log",
