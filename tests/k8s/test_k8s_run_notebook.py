@@ -27,3 +27,26 @@ def test_a_termination_message_is_written_only_where_kubernetes_gave_a_file(tmp_
     path.write_text("")
     run_notebook.write_termination_message("ConfigError: data_path: no such file", path)
     assert path.read_text() == "ConfigError: data_path: no such file\n"
+
+
+def test_papermill_and_its_kernel_get_the_allocators_choice(tmp_path, monkeypatch):
+    started = {}
+
+    class Started:
+        def __init__(self, argv, preexec_fn, env):
+            started.update(argv=argv, env=env)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(run_notebook.subprocess, "Popen", Started)
+    monkeypatch.delenv(run_notebook.OUTPUT_DIR_VARIABLE, raising=False)
+    monkeypatch.setenv("GEMMALAB_MALLOC", "system")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert run_notebook.main(["train.ipynb", "out.ipynb"]) == 0
+    assert started["env"]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert started["argv"][-3:] == [run_notebook.AS_PAPERMILL, "train.ipynb", "out.ipynb"]
+    monkeypatch.setenv("GEMMALAB_MALLOC", "jemalloc")  # a bad choice: one line, nothing started
+    started.clear()
+    assert run_notebook.main(["train.ipynb", "out.ipynb"]) == run_notebook.CONFIG_EXIT_CODE
+    assert not started
