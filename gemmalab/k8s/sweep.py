@@ -98,8 +98,10 @@ def sweep_values(grid: Mapping[str, Sequence[Any]] | Sequence[str] = (),
                  points: str | Path | Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
     """The points of a grid (one mapping, or ``-y`` texts) and/or a list of parameter sets (or
     its YAML file): what the CLI and launch.ipynb pass to ``cluster_sweep``/``local_sweep``."""
-    entries = [grid] if isinstance(grid, Mapping) else list(grid)
-    return expand(parse_grid([e for e in entries if e]), load_points(points) if points else ())
+    entries = [e for e in ([grid] if isinstance(grid, Mapping) else list(grid)) if e]
+    if not entries and not points:
+        return []  # no sweep (expand would give one empty point: a second run of the same job)
+    return expand(parse_grid(entries), load_points(points) if points else ())
 
 
 def check_size(count: int, yes: bool) -> None:

@@ -32,6 +32,8 @@ def test_the_grid_is_the_product_of_the_y_entries_and_reads_1e_4_as_a_float():
         {"lora_rank": 0, "learning_rate": 1e-5, "seed": 0},
         {"lora_rank": 0, "learning_rate": 1e-5, "seed": 1}]
     assert sweep.sweep_values((), points) == points
+    # Neither: no sweep at all (launch.ipynb submitted a second run of its job as "<job>-0").
+    assert sweep.sweep_values({}, []) == sweep.sweep_values() == []
 
 
 @pytest.mark.parametrize(("grid", "points", "message"), [
