@@ -37,9 +37,10 @@ ARG UV_NO_CACHE=1
 ARG UV_CACHE_DIR
 RUN pip install --no-cache-dir ${SSL_CERT_FILE:+--cert "$SSL_CERT_FILE"} "uv==${UV_VERSION}"
 WORKDIR /src
-COPY pyproject.toml uv.lock requirements.txt README.md ./
+COPY pyproject.toml uv.lock requirements.txt ./
 # The locked dependencies alone: the runtime images copy this venv as one layer, which a change
-# to gemmalab/ does not touch (gemmalab itself is the `project` stage's small layer).
+# to gemmalab/ (or to README.md, which only the project's build reads) does not touch; gemmalab
+# itself is the `project` stage's small layer.
 RUN uv sync --frozen --no-dev --no-install-project --python /usr/local/bin/python3.12
 # JupyterHub starts `jupyterhub-singleuser` in notebook servers: same version as the chart's hub
 # (zero-to-jupyterhub 4.4.0 runs JupyterHub 5.5.0).
@@ -71,6 +72,7 @@ FROM builder AS project
 ARG SSL_CERT_FILE
 ARG UV_NO_CACHE=1
 ARG UV_CACHE_DIR
+COPY README.md ./
 COPY gemmalab/ gemmalab/
 # Compiled where it runs (the runtime stages), so tracebacks name the installed files.
 RUN UV_COMPILE_BYTECODE=0 uv pip install --python /opt/venv/bin/python --no-deps \
