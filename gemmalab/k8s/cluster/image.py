@@ -431,11 +431,10 @@ def inputs_key(command: Sequence[str], root: Path = REPO_ROOT) -> str:
 
 
 def _image_labels(buildah: str, name: str) -> dict[str, str]:
-    done = subprocess.run([buildah, "inspect", "--type", "image", name], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
+    try:
+        return _image_config(buildah, name).get("Labels") or {}
+    except ClusterError:  # no such image yet
         return {}
-    return json.loads(done.stdout)["OCIv1"]["config"].get("Labels") or {}
 
 
 def build_image(target: str = "cpu", tag: str | None = None,
