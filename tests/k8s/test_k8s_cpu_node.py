@@ -148,6 +148,36 @@ def test_a_jobset_pod_resolves_its_peers_hostnames_as_on_gke(cpu_node, run_names
         assert pod.spec.subdomain == name and ips[f"{name}-{job}-0-1"] in log, log
 
 
+def node_images(cpu_node, *args: str) -> dict[str, str]:
+    """The node's image references (names and the CRI's ``sha256:...`` ones) and the manifest
+    each points at."""
+    done = images._ctr(build.CTR.path(), node.NodePaths.of(cpu_node.layout).socket, "images",
+                       *args)
+    assert done.returncode == 0, done.stderr
+    return {row[0]: row[2] for row in map(str.split, done.stdout.splitlines()[1:])
+            if len(row) > 2}
+
+
+def test_importing_a_name_again_lets_the_image_it_named_go(cpu_node, tmp_path):
+    """A rebuilt image loaded under its name again: the one it replaces leaves the node's disk,
+    also when the CRI holds it by digest too (that reference kept each 4 GB cpu image before)."""
+    name = "gemmalab.local/replaced:1"
+    by_digest = f"sha256:{'1' * 64}"
+    first = images.write_oci_archive(tmp_path / "one.tar", name, [images.File("/v", b"one")],
+                                     ["/v"])
+    assert node.load_image(first, cpu_node.layout) == [name]
+    replaced = node_images(cpu_node, "ls")[name]
+    node_images(cpu_node, "tag", name, by_digest)  # as the CRI plugin does after a restart
+    second = images.write_oci_archive(tmp_path / "two.tar", name, [images.File("/v", b"two")],
+                                      ["/v"])
+    try:
+        assert node.load_image(second, cpu_node.layout) == [name]
+        after = node_images(cpu_node, "ls")
+        assert after[name] != replaced and replaced not in after.values(), after
+    finally:
+        node_images(cpu_node, "rm", "--sync", name)
+
+
 def test_this_machine_never_dials_a_kwok_pod_or_an_unserved_service_address(cpu_node):
     for address in (network.KWOK_POD_CIDR.replace("0/16", "5"), "10.96.0.10"):
         with pytest.raises(ConnectionRefusedError):  # nftables' reject, not a route out

@@ -447,8 +447,8 @@ def build_image(target: str = "cpu", tag: str | None = None,
     buildah = buildah_command()
     python_image = base(log)
     tag = tag or image_name(target)
-    command = [buildah, "bud", "--layers", "--isolation", "chroot", "--network", "host",
-               "--target", target, "--build-arg", f"PYTHON_IMAGE={python_image}",
+    command = [buildah, "bud", "--layers", "--force-rm", "--isolation", "chroot",
+               "--network", "host", "--target", target, "--build-arg", f"PYTHON_IMAGE={python_image}",
                "--file", str(REPO_ROOT / "Dockerfile"), "--tag", tag]
     ca = host_ca_bundle()
     if ca is not None:
@@ -464,6 +464,7 @@ def build_image(target: str = "cpu", tag: str | None = None,
     if _image_labels(buildah, tag).get(INPUTS_LABEL) == key:
         return tag  # built from these very files: buildah's own cache check takes ~1.5 min
     command += ["--label", f"{INPUTS_LABEL}={key}", str(REPO_ROOT)]
+    prune_stale(buildah, python_image)
     log_file = image_home() / "log" / f"{target}.log"
     log_file.unlink(missing_ok=True)
     log(f"buildah bud --target {target} -t {tag} (cold: ~10 min on 2 cores with uv's cache "
@@ -471,12 +472,52 @@ def build_image(target: str = "cpu", tag: str | None = None,
         f"log: {log_file}")
     previous = _image_id(buildah, tag)
     _run_logged(command, log_file, f"building the {target} image",
+                "'no space left on device' needs ~12 GB free where buildah stores images; "
                 "a network error means PyPI is unreachable from the build's RUN steps")
     if previous not in (None, _image_id(buildah, tag)):
         # The image the tag named before: its /opt/venv layer alone is ~4 GB. The build's cached
         # steps are other (intermediate) images and stay.
         subprocess.run([buildah, "rmi", previous], capture_output=True)
+    prune_stale(buildah, python_image)
     return tag
+
+
+# What buildah prints for each step of a build: the image it made or took from its cache.
+_STEP_IMAGE = re.compile(r"^--> (?:Using cache )?([0-9a-f]{11,64})$", re.M)
+
+
+def prune_stale(buildah: str, python_image: str) -> list[str]:
+    """Remove the untagged images built on ``python_image`` that the last build of no target
+    used: the cached steps of Dockerfiles and lock files gone by (each ~4 GB of venv; three
+    builds filled this 250 GB disk). The steps the last builds used stay their cache. The
+    images removed."""
+    kept = [match for log in (image_home() / "log").glob("*.log")
+            for match in _STEP_IMAGE.findall(log.read_text(errors="replace"))]
+    listed = subprocess.run([buildah, "images", "--all", "--json"], capture_output=True,
+                            text=True)
+    if listed.returncode != 0:
+        return []
+    base_layer = _first_layer(buildah, python_image)
+    removed = []
+    # Newest first: a step's image goes before the image it was built on.
+    for image in sorted(json.loads(listed.stdout or "[]"), key=lambda i: -i["created"]):
+        full_id = image["id"]
+        if image.get("names") or any(full_id.startswith(k) or k.startswith(full_id)
+                                     for k in kept):
+            continue
+        if base_layer is None or _first_layer(buildah, full_id) != base_layer:
+            continue  # not built here on our base: not ours to remove
+        if subprocess.run([buildah, "rmi", full_id], capture_output=True).returncode == 0:
+            removed.append(full_id)
+    return removed
+
+
+def _first_layer(buildah: str, image: str) -> str | None:
+    try:
+        layers = _image_oci(buildah, image).get("rootfs", {}).get("diff_ids") or []
+    except ClusterError:
+        return None
+    return layers[0] if layers else None
 
 
 # The containerd label recording which buildah image a name was loaded from.
@@ -516,13 +557,18 @@ def _image_id(buildah: str, name: str) -> str | None:
     return done.stdout.strip() or None if done.returncode == 0 else None
 
 
-def _image_config(buildah: str, image: str) -> dict:
+def _image_oci(buildah: str, image: str) -> dict:
+    """The OCI image JSON of ``image``: its config, its layers (``rootfs``), its history."""
     done = subprocess.run([buildah, "inspect", "--type", "image", image], capture_output=True,
                           text=True)
     if done.returncode != 0:
         raise ClusterError(f"no image {image} in buildah's storage",
                            "python -m gemmalab.k8s.cluster image --target cpu")
-    return json.loads(done.stdout)["OCIv1"]["config"]
+    return json.loads(done.stdout)["OCIv1"]
+
+
+def _image_config(buildah: str, image: str) -> dict:
+    return _image_oci(buildah, image)["config"]
 
 
 def runtime_spec(config: dict, rootfs_path: str, args: Sequence[str] | None = None,
