@@ -448,7 +448,8 @@ def build_image(target: str = "cpu", tag: str | None = None,
     python_image = base(log)
     tag = tag or image_name(target)
     command = [buildah, "bud", "--layers", "--force-rm", "--isolation", "chroot",
-               "--network", "host", "--target", target, "--build-arg", f"PYTHON_IMAGE={python_image}",
+               "--network", "host", "--target", target,
+               "--build-arg", f"PYTHON_IMAGE={python_image}",
                "--file", str(REPO_ROOT / "Dockerfile"), "--tag", tag]
     ca = host_ca_bundle()
     if ca is not None:

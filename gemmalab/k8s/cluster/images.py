@@ -184,7 +184,8 @@ def prune_superseded(ctr: Path, address: Path) -> list[str]:
     by that reference alone, with its ~4 GB of snapshots. Containers still running keep their
     own snapshots. The references removed."""
     listed = _ctr(ctr, address, "images", "ls")
-    rows = [line.split() for line in listed.stdout.splitlines()[1:]] if listed.returncode == 0 else []
+    lines = listed.stdout.splitlines()[1:] if listed.returncode == 0 else []
+    rows = [line.split() for line in lines]
     named = {row[2] for row in rows if len(row) > 2 and not row[0].startswith("sha256:")}
     stale = [row[0] for row in rows
              if len(row) > 2 and row[0].startswith("sha256:") and row[2] not in named]
