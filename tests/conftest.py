@@ -2,19 +2,16 @@
 
 Eight virtual CPU devices make every test exercise the data-parallel mesh.
 
-One JAX compilation cache per test session, inherited by the notebooks' kernels and worker
-processes: many tests compile the same step (a run, its crashed twin, its resumed twin, the
-notebook copies and their deliberately broken variants); a cache hit skips XLA's compile. A
-session's own directory, so another session (e.g. other CPU flags) never reads its executables.
+One JAX compilation cache for the suite, kept across sessions on this machine and inherited by
+the notebooks' kernels and worker processes (tests/helpers/compile_cache.py): many tests compile
+the same step (a run, its crashed twin, its resumed twin, the notebook copies and their
+deliberately broken variants), and the next `make test` compiles only what changed.
 """
 
-import atexit
 import contextlib
 import dataclasses
 import itertools
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,13 +23,12 @@ import pytest
 pytest.register_assert_rewrite("tests.helpers")
 
 from tests.helpers import xla_flags  # noqa: E402
+from tests.helpers.compile_cache import suite_compile_cache  # noqa: E402
 
 os.environ["XLA_FLAGS"] = xla_flags()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _COMPILATION_CACHE = tempfile.mkdtemp(prefix="gemmalab-test-jax-cache-")
-    atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILATION_CACHE
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(suite_compile_cache())
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 

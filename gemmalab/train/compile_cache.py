@@ -8,6 +8,7 @@ is most of the seconds between starting a notebook and its first training step.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import platform
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def enable(cache_dir: Path) -> str:
     current = jax.config.jax_compilation_cache_dir
     if current:
         return str(current)
-    path = cache_dir / "jax-compile" / _host_key()
+    path = cache_dir / "jax-compile" / host_key()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
@@ -39,14 +40,14 @@ def enable(cache_dir: Path) -> str:
     return str(path)
 
 
-def _host_key() -> str:
-    """The machine, the CPU's feature flags and jax's version, hashed."""
-    import jax
-
+def host_key() -> str:
+    """The machine, the CPU's feature flags and jax's and jaxlib's versions, hashed (without
+    importing jax: the test suite names its cache before jax reads its configuration)."""
     flags = ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         lines = cpuinfo.read_text(errors="replace").splitlines()
         flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
-    text = f"{platform.machine()}|{flags}|{jax.__version__}"
+    versions = "|".join(importlib.metadata.version(name) for name in ("jax", "jaxlib"))
+    text = f"{platform.machine()}|{flags}|{versions}"
     return f"{platform.machine()}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"

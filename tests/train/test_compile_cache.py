@@ -40,5 +40,22 @@ def test_a_configured_cache_is_kept(tmp_path, no_configured_cache):
 
 
 def test_the_host_key_is_stable_and_names_the_machine():
-    assert compile_cache._host_key() == compile_cache._host_key()
-    assert "-" in compile_cache._host_key()
+    assert compile_cache.host_key() == compile_cache.host_key()
+    assert "-" in compile_cache.host_key()
+
+
+def test_the_suites_cache_is_kept_per_machine_kind_and_trimmed_oldest_first(tmp_path,
+                                                                            monkeypatch):
+    import os
+
+    from tests.helpers import compile_cache as suite_cache
+
+    monkeypatch.setenv("GEMMALAB_TEST_COMPILE_CACHE", str(tmp_path))
+    folder = suite_cache.suite_compile_cache()
+    assert folder == tmp_path / compile_cache.host_key()
+    for age, name in enumerate(("newest", "middle", "oldest")):
+        (folder / name).write_bytes(b"x" * 100)
+        os.utime(folder / name, (1e9 - age, 1e9 - age))
+    assert suite_cache.trim(folder, 250) == [folder / "oldest"]
+    assert sorted(p.name for p in folder.iterdir()) == ["middle", "newest"]
+    assert suite_cache.trim(folder, 200) == []
