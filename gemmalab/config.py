@@ -433,8 +433,14 @@ class RuntimeConfig(_Group):
     # The training notebook's default run: sample_compare.ipynb and export.ipynb read it by default.
     output_dir: str = "runs/train"
     cache_dir: str = ""  # "" = default_cache_dir().
+    # JAX's compiled programs, per machine kind (gemmalab.train.compile_cache); "" =
+    # cache_dir/jax-compile. Where a restarted pod or the next job finds them (the pods' /outputs).
+    compile_cache_dir: str = ""
 
     def validate(self) -> None:
+        require(not storage.is_gcs(self.compile_cache_dir), "compile_cache_dir",
+                f"{self.compile_cache_dir!r} is a gs:// path",
+                "give a local folder, or the bucket's GCS FUSE mount (the pods' /outputs/...)")
         require(self.num_slices >= 1, "num_slices", f"{self.num_slices} < 1",
                 "use 1, or the number of TPU slices")
         if self.mesh is not None:
@@ -449,6 +455,12 @@ class RuntimeConfig(_Group):
     @property
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir or default_cache_dir()).expanduser()
+
+    @property
+    def resolved_compile_cache_dir(self) -> Path:
+        if self.compile_cache_dir:
+            return Path(self.compile_cache_dir).expanduser()
+        return self.resolved_cache_dir / "jax-compile"
 
 
 def _refuse_while_off(group: _Group, switch: str, off: str, fix: str) -> None:

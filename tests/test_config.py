@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from gemmalab import recipes
@@ -205,6 +207,15 @@ def test_a_notebook_without_a_config_refuses_names_that_are_not_its_own():
     refuse_unknown_parameters({"In": history[:2]})  # papermill gave nothing
     refuse_unknown_parameters({"In": ["", own, '# Parameters\nrun = "x"\n']})  # its own names
     refuse_unknown_parameters({})  # not in IPython
+
+
+def test_compiled_programs_go_under_the_cache_unless_a_folder_is_named(tmp_path):
+    config = TrainConfig.flat(cache_dir=str(tmp_path / "c"))
+    assert config.runtime.resolved_compile_cache_dir == tmp_path / "c" / "jax-compile"
+    named = TrainConfig.flat(cache_dir=str(tmp_path / "c"), compile_cache_dir="/outputs/.jax")
+    assert named.runtime.resolved_compile_cache_dir == Path("/outputs/.jax")
+    with pytest.raises(ConfigError, match="^compile_cache_dir: .* GCS FUSE mount"):
+        TrainConfig.flat(compile_cache_dir="gs://bucket/jax")
 
 
 @pytest.mark.parametrize("output_dir", ["runs/[exp1]", "runs/lr-*", "runs/a?b"])

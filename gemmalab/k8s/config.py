@@ -32,6 +32,9 @@ ARTIFACT_REPOSITORY = "gemmalab"
 DATA_MOUNT = "/data"  # data bucket, read-only
 OUTPUTS_MOUNT = "/outputs"  # outputs bucket: run outputs, checkpoints, xprof traces
 CACHE_MOUNT = "/cache"  # emptyDir: corpora, tokenizers, token caches
+# JAX's compiled programs in the outputs bucket: a pod that JobSet restarts after a preemption,
+# and the next job of the same shape, load their steps instead of compiling them again.
+COMPILE_CACHE_DIR = f"{OUTPUTS_MOUNT}/.jax-compile"
 RUN_AS_USER = 1000  # the image's non-root user (Dockerfile: useradd --uid 1000)
 PROFILER_PORT = 9002  # jax.profiler server, for XProf's "capture profile"
 JAX_COORDINATOR_PORT = 1234  # GPU multi-node: jax.distributed coordinator on process 0
@@ -52,7 +55,7 @@ def local_volumes() -> tuple[Path, Path]:
 
 
 # Set from the cluster config, never by the user: the container's paths.
-MANAGED_PARAMS = ("output_dir", "cache_dir")
+MANAGED_PARAMS = ("output_dir", "cache_dir", "compile_cache_dir")
 
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -80,7 +83,8 @@ def check_notebook_params(params: Any, notebook: str = NOTEBOOK, *,
                           managed: tuple[str, ...] = MANAGED_PARAMS,
                           managed_by: str = "the cluster config",
                           managed_fix: str = f"leave it out: outputs go to {OUTPUTS_MOUNT}/"
-                                             f"<job_name>, the cache to {CACHE_MOUNT}"
+                                             f"<job_name>, the cache to {CACHE_MOUNT}, "
+                                             f"compiled steps to {COMPILE_CACHE_DIR}"
                           ) -> tuple[TrainConfig, dict[str, Any] | None]:
     """Check papermill parameters for ``notebook`` before anything runs: names the notebook
     takes (its parameters cell and every TrainConfig field) and not ``managed`` by the caller

@@ -16,6 +16,7 @@ from kubernetes import client
 from gemmalab.k8s import accelerators, gcsfuse
 from gemmalab.k8s.config import (
     CACHE_MOUNT,
+    COMPILE_CACHE_DIR,
     JAX_COORDINATOR_PORT,
     PROFILER_PORT,
     REPLICATED_JOB,
@@ -164,6 +165,7 @@ def container(config: ClusterConfig) -> client.V1Container:
         command=ENTRYPOINT,
         args=papermill_argv(notebook=config.notebook, output_notebook=output_notebook(config),
                             output_dir=config.output_dir, cache_dir=CACHE_MOUNT,
+                            compile_cache_dir=COMPILE_CACHE_DIR,
                             params=notebook_params(config)),
         env=_env(config),
         ports=_ports(config),

@@ -114,10 +114,10 @@ def _plain(value: Any) -> Any:
 
 
 def papermill_argv(*, notebook: str, output_notebook: str, output_dir: str, cache_dir: str,
-                   params: Mapping[str, Any]) -> list[str]:
+                   compile_cache_dir: str, params: Mapping[str, Any]) -> list[str]:
     """Arguments after ``papermill``: input, output, the managed paths, then the user's params."""
     argv = [notebook, output_notebook, "-p", "output_dir", output_dir, "-p", "cache_dir",
-            cache_dir]
+            cache_dir, "-p", "compile_cache_dir", compile_cache_dir]
     for name in sorted(params):
         argv += encode_parameter(name, params[name])
     return argv + ["--log-output", "--no-progress-bar", "--request-save-on-cell-execute"]

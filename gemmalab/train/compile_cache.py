@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache, kept in the run's ``cache_dir``.
+"""JAX's persistent compilation cache, kept in the run's ``compile_cache_dir``.
 
 A second run of the same configuration (a notebook re-run, a restarted pod, the next trial of a
 sweep) loads its compiled steps from disk instead of compiling them again: on two CPU cores that
@@ -17,12 +17,12 @@ from pathlib import Path
 MIN_COMPILE_SECONDS = 0.3
 
 
-def enable(cache_dir: Path) -> str:
-    """Use ``cache_dir/jax-compile/<host key>`` unless a cache directory is already configured
+def enable(root: Path) -> str:
+    """Use ``root/<host key>`` unless a cache directory is already configured
     (``JAX_COMPILATION_CACHE_DIR``, or ``jax.config`` set by the user); returns the one in use.
 
     The host key separates machines whose CPU executables differ (instruction sets), for a
-    ``cache_dir`` shared over NFS or a bucket mount.
+    ``root`` shared over NFS or a bucket mount (the pods' /outputs).
     """
     import jax
     from jax._src import compilation_cache
@@ -30,7 +30,7 @@ def enable(cache_dir: Path) -> str:
     current = jax.config.jax_compilation_cache_dir
     if current:
         return str(current)
-    path = cache_dir / "jax-compile" / host_key()
+    path = root / host_key()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)

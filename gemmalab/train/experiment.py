@@ -105,7 +105,9 @@ class Experiment:
         config = resolved.config
         storage.require_writable_directory("cache_dir", config.runtime.resolved_cache_dir)
         # First, so every compile of the run (init, steps, sampler) is read from or written to it.
-        compile_cache.enable(config.runtime.resolved_cache_dir)
+        storage.require_writable_directory("compile_cache_dir",
+                                           config.runtime.resolved_compile_cache_dir)
+        compile_cache.enable(config.runtime.resolved_compile_cache_dir)
         device_mesh = mesh.make_mesh(config.runtime.mesh, num_slices=config.runtime.num_slices)
         mesh.check_batch_size(
             config.trainer.batch_size, device_mesh, config.trainer.grad_accum_steps

@@ -181,9 +181,10 @@ def test_papermill_reads_back_exactly_the_values_given(monkeypatch):
               "data_path": "/data/a b.txt", "max_new_tokens": 0, "seed": -3,
               "listy": [1, "2", {"a": None}], "text": "-p looks like a flag"}
     argv = papermill_argv(notebook="in.ipynb", output_notebook="out.ipynb", output_dir="/o",
-                          cache_dir="/c", params=params)
+                          cache_dir="/c", compile_cache_dir="/o/.jax", params=params)
     parsed = _papermill_parameters(argv, monkeypatch)
-    assert parsed == {**params, "output_dir": "/o", "cache_dir": "/c"}
+    assert parsed == {**params, "output_dir": "/o", "cache_dir": "/c",
+                      "compile_cache_dir": "/o/.jax"}
     assert encode_parameter("batch_size", 128) == ["-p", "batch_size", "128"]
     assert encode_parameter("checkpoint", "123") == ["-r", "checkpoint", "123"]
     with pytest.raises(ConfigError):

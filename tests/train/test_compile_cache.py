@@ -21,7 +21,7 @@ def no_configured_cache():
 
 def test_compiles_land_in_cache_dir_and_are_read_back(tmp_path, no_configured_cache):
     jnp.sin(jnp.ones(3)).block_until_ready()  # a compile before: JAX has decided "no cache"
-    path = compile_cache.enable(tmp_path)
+    path = compile_cache.enable(tmp_path / "jax-compile")
     assert path.startswith(str(tmp_path / "jax-compile"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
