@@ -30,6 +30,7 @@ KWOK_VERSION = "v0.8.0"
 # Debian's (scripts/install-node-packages).
 NODE_SOURCE = REPO_ROOT / "cluster" / "node"
 PAUSE_SOURCE = REPO_ROOT / "cluster" / "pause"
+COREDNS_SOURCE = REPO_ROOT / "cluster" / "coredns"  # only the plugins the node's Corefile uses
 CONTAINERD_VERSION = "v2.2.9"
 COREDNS_VERSION = "v1.15.0"
 # The storage drivers that need C libraries or kernels this node does not use.
@@ -96,7 +97,8 @@ CONTAINERD_PROGRAMS = tuple(
     Program(name, package=f"./cmd/{name}", **_containerd)
     for name in ("containerd", "containerd-shim-runc-v2", "ctr"))
 CTR = CONTAINERD_PROGRAMS[2]
-COREDNS = Program("coredns", "github.com/coredns/coredns", COREDNS_VERSION)
+COREDNS = Program("coredns", "github.com/coredns/coredns", COREDNS_VERSION,
+                  local_source=COREDNS_SOURCE)
 PAUSE = Program("pause", "gemmalab.local/pause", "v1", local_source=PAUSE_SOURCE)
 NODE_PROGRAMS = (KUBELET, *CONTAINERD_PROGRAMS, COREDNS, PAUSE)
 
