@@ -364,10 +364,8 @@ def test_splash_compiles_for_tpu_and_needs_less_temporary_memory():
     """The train step with splash, lowered and compiled by libtpu for v6e chips: the Mosaic
     kernel compiles, alone and under shard_map, and the step's temporaries shrink (no
     [B, N, L, L] scores kept: 36 vs 133 MB here). One libtpu subprocess for the three."""
-    # The tiny preset's last two layers (a sliding-window one and the global one): the scores
-    # kept for the backward pass are a layer's each, so the ratio holds at any depth.
     config = TrainConfig.flat(model="gemma3-tiny", tokenizer_vocab_size=600, batch_size=2,
-                         maxlen=1024, compute_dtype="bfloat16", num_layers=2)
+                         maxlen=1024, compute_dtype="bfloat16")
     # Four chips, rows over data and heads over tensor (shard_map), blocks rematerialised.
     split = config.replace(attention="splash", batch_size=8, maxlen=256,
                                 mesh={"data": 2, "tensor": 2}, remat="full")
