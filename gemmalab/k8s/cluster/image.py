@@ -471,14 +471,10 @@ def build_image(target: str = "cpu", tag: str | None = None,
     log(f"buildah bud --target {target} -t {tag} (cold: ~10 min on 2 cores with uv's cache "
         "warm; after a change to gemmalab/ ~2 min), "
         f"log: {log_file}")
-    previous = _image_id(buildah, tag)
     _run_logged(command, log_file, f"building the {target} image",
                 "'no space left on device' needs ~12 GB free where buildah stores images; "
                 "a network error means PyPI is unreachable from the build's RUN steps")
-    if previous not in (None, _image_id(buildah, tag)):
-        # The image the tag named before: its /opt/venv layer alone is ~4 GB. The build's cached
-        # steps are other (intermediate) images and stay.
-        subprocess.run([buildah, "rmi", previous], capture_output=True)
+    # The image the tag named before (its /opt/venv layer alone is ~4 GB) goes with the rest.
     prune_stale(buildah, python_image)
     return tag
 
